@@ -1,0 +1,75 @@
+"""A node-local channel from workers to their etcd-ext agent.
+
+A worker whose collective fails because a *peer* went away is not at fault, and
+restarting it through torch's failure path would spend one of ``--max-restarts``
+on every survivor. Instead the worker reports the fault here and waits; the agent
+sees the report, treats it as a membership change and restarts its workers
+without charging the restart budget (see ``Keeper``).
+
+The agent creates a directory and exports its path in ``ELASTIC_EXT_CONTROL_DIR``
+before it starts workers, so every worker inherits it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CONTROL_DIR_ENV = "ELASTIC_EXT_CONTROL_DIR"
+_ROUND_FILE = "round"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class AgentControl:
+    """The agent's end: publishes the current round, reads workers' fault reports."""
+
+    def __init__(self) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix="elastic-ext-ctl-"))
+        os.environ[CONTROL_DIR_ENV] = str(self.path)
+
+    def publish_round(self, round_: int) -> None:
+        for stale in self.path.glob("fault-*"):
+            stale.unlink(missing_ok=True)
+        _atomic_write(self.path / _ROUND_FILE, str(round_))
+
+    def fault_reported(self, round_: int) -> str | None:
+        """The reason a worker gave for a peer fault in ``round_``, if any."""
+        try:
+            return (self.path / f"fault-{round_}").read_text() or "peer fault"
+        except FileNotFoundError:
+            return None
+
+    def close(self) -> None:
+        if os.environ.get(CONTROL_DIR_ENV) == str(self.path):
+            del os.environ[CONTROL_DIR_ENV]
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def agent_is_listening() -> bool:
+    """True when this worker was started by an etcd-ext agent that reads fault reports."""
+    path = os.environ.get(CONTROL_DIR_ENV)
+    return bool(path) and (Path(path) / _ROUND_FILE).exists()
+
+
+def report_peer_failure(reason: str) -> bool:
+    """Tell the agent a collective failed because of a peer; False if nobody listens."""
+    path = os.environ.get(CONTROL_DIR_ENV)
+    if not path:
+        return False
+    try:
+        round_ = (Path(path) / _ROUND_FILE).read_text().strip()
+        _atomic_write(Path(path) / f"fault-{round_}", reason[:500])
+    except OSError as exc:
+        logger.warning("could not report a peer fault to the agent: %s", exc)
+        return False
+    return True

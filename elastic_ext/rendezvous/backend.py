@@ -1,0 +1,65 @@
+"""What a store must offer etcd-ext: torch's ``RendezvousBackend`` contract plus heartbeats.
+
+``get_state``/``set_state`` keep torch's token semantics (see torch's
+``RendezvousBackend``), so the same contract tests run on every store. State
+values carry a magic prefix so garbage in the key is reported, not parsed.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterable
+
+from torch.distributed import Store
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
+
+from elastic_ext.rendezvous.errors import CorruptStateError
+
+STATE_MAGIC = b"elastic-ext/1\n"
+
+
+def wrap_state(state: bytes) -> bytes:
+    return STATE_MAGIC + state
+
+
+def unwrap_state(raw: bytes) -> bytes:
+    if not raw.startswith(STATE_MAGIC):
+        raise CorruptStateError(
+            "the run's state key holds data etcd-ext did not write; another program uses this "
+            "key prefix, or the value was tampered with. Use another --rdzv-id or key_prefix, "
+            "or delete the key")
+    return raw[len(STATE_MAGIC):]
+
+
+class StoreBackend(RendezvousBackend):
+    """One connection to the run's keys. Not shared between threads: ``clone`` instead."""
+
+    @abstractmethod
+    def get_state(self) -> tuple[bytes, Token] | None: ...
+
+    @abstractmethod
+    def set_state(self, state: bytes, token: Token | None = None
+                  ) -> tuple[bytes, Token, bool] | None: ...
+
+    @abstractmethod
+    def beat(self, node: str) -> None:
+        """Advance ``node``'s heartbeat counter."""
+
+    @abstractmethod
+    def leave(self, node: str) -> None:
+        """Mark ``node`` as gone for good, so nobody waits for its heartbeat to expire."""
+
+    @abstractmethod
+    def read_beats(self, nodes: Iterable[str]) -> dict[str, bytes | None]:
+        """Each node's heartbeat value (None when it has none)."""
+
+    @abstractmethod
+    def round_store(self, generation: str, round_: int) -> Store:
+        """The c10d Store the agents of one round share (rank assignment, exit barrier)."""
+
+    @abstractmethod
+    def clone(self) -> StoreBackend:
+        """Another connection to the same keys, for another thread."""
+
+    def close(self) -> None:
+        """Release connections; the default has none to release."""

@@ -1,0 +1,45 @@
+"""The narrow set of errors etcd-ext raises.
+
+Each subclasses torch's rendezvous errors so torch's agent treats them as it would
+its own; each message names what to fix.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
+
+__all__ = [
+    "ConfigError",
+    "RestartBudgetExhaustedError",
+    "StoreUnavailableError",
+    "StoreAuthError",
+    "CorruptStateError",
+    "RendezvousTimeoutError",
+    "RendezvousClosedError",
+]
+
+
+class ConfigError(RendezvousError, ValueError):
+    """A ``--rdzv-conf`` key, value, endpoint or ``--nnodes`` that cannot work."""
+
+
+class StoreUnavailableError(RendezvousConnectionError):
+    """No store endpoint answered within the retry deadline."""
+
+
+class StoreAuthError(RendezvousConnectionError):
+    """The store refused our credentials or certificate; retrying will not help."""
+
+
+class CorruptStateError(RendezvousStateError):
+    """The run's state key holds something that is not an etcd-ext state."""
+
+
+class RestartBudgetExhaustedError(RendezvousClosedError):
+    """The job-wide ``--max-restarts`` budget is spent; every agent stops."""

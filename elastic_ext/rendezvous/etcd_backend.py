@@ -1,0 +1,95 @@
+"""The run's state on etcd through the v3 API.
+
+Layout under ``<key_prefix>/<run_id>/``: ``state`` (the JSON state, written by
+compare-and-swap on ``mod_revision``, create-if-absent the first time),
+``hb/<node>`` (heartbeat counters), ``store/<generation>/<round>/`` (the round's
+c10d store for torch's agent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import timedelta
+
+from torch.distributed import Store
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import Token
+
+from elastic_ext.rendezvous.backend import StoreBackend, unwrap_state, wrap_state
+from elastic_ext.rendezvous.etcd_client import EtcdClient
+from elastic_ext.rendezvous.etcd_store import EtcdV3Store
+from elastic_ext.rendezvous.liveness import LEFT
+from elastic_ext.rendezvous.settings import Settings
+
+
+class EtcdBackend(StoreBackend):
+    def __init__(self, settings: Settings, client: EtcdClient | None = None) -> None:
+        self._settings = settings
+        self._client = client or EtcdClient(settings)
+        self._prefix = settings.run_prefix
+        self._beats = 0
+
+    @property
+    def name(self) -> str:
+        return "etcd-v3"
+
+    @property
+    def client(self) -> EtcdClient:
+        return self._client
+
+    @property
+    def state_key(self) -> str:
+        return self._prefix + "state"
+
+    def check_server(self) -> str:
+        return self._client.server_version()
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        kv = self._client.get(self.state_key)
+        if kv is None:
+            return None
+        return unwrap_state(kv.value), kv.mod_revision
+
+    def set_state(self, state: bytes, token: Token | None = None
+                  ) -> tuple[bytes, Token, bool] | None:
+        if token is not None and (not isinstance(token, int) or isinstance(token, bool)):
+            current = self.get_state()
+            return None if current is None else (*current, False)
+        ok, kv = self._client.compare_and_swap(self.state_key, wrap_state(state), token or None)
+        if ok and kv is not None:
+            return state, kv.mod_revision, True
+        if kv is None:  # deleted between our compare and our read
+            return None
+        return unwrap_state(kv.value), kv.mod_revision, False
+
+    def beat(self, node: str) -> None:
+        self._beats += 1
+        self._client.put(f"{self._prefix}hb/{node}", str(self._beats).encode())
+
+    def leave(self, node: str) -> None:
+        self._client.put(f"{self._prefix}hb/{node}", LEFT)
+
+    def read_beats(self, nodes: Iterable[str]) -> dict[str, bytes | None]:
+        hb_prefix = f"{self._prefix}hb/"
+        found = {kv.key.decode()[len(hb_prefix):]: kv.value
+                 for kv in self._client.get_prefix(hb_prefix)}
+        return {node: found.get(node) for node in nodes}
+
+    def round_store(self, generation: str, round_: int) -> Store:
+        return EtcdV3Store(self._client, f"{self._prefix}store/{generation}/{round_}/",
+                           timeout=timedelta(seconds=max(60.0, self._settings.timeouts.join)))
+
+    def drop_round_stores(self, generation: str, keep_from_round: int) -> None:
+        """Delete the agent stores of rounds before ``keep_from_round``."""
+        prefix = f"{self._prefix}store/"
+        stale: set[tuple[str, str]] = set()
+        for kv in self._client.get_prefix(prefix):
+            parts = kv.key.decode()[len(prefix):].split("/")
+            if len(parts) >= 2:
+                stale.add((parts[0], parts[1]))
+        for gen, round_text in stale:
+            if gen != generation or (round_text.isdigit() and int(round_text) < keep_from_round):
+                self._client.delete_prefix(f"{prefix}{gen}/{round_text}/")
+
+    def clone(self) -> EtcdBackend:
+        clone = EtcdBackend(self._settings, self._client)
+        return clone

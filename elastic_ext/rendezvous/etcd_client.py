@@ -1,0 +1,291 @@
+"""A small etcd v3 client over etcd's HTTP/JSON gateway, built on ``etcd3gw``.
+
+Why etcd3gw: it is maintained, speaks the v3 API through the gateway that etcd
+3.4+ serves by default, and has no grpcio/protobuf dependency (protobuf pins are
+what broke the old ``etcd3`` package). What it lacks is added here: rotation
+over several endpoints, user/password auth with re-login when the token expires,
+TLS through our own ``requests`` session (``trust_env=False`` so a machine-wide
+``REQUESTS_CA_BUNDLE`` cannot override the CA), and the two transactions the
+rendezvous needs. Everything else should go through ``KeyValueClient`` so the
+client library can be swapped.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+from etcd3gw import exceptions as gw_errors
+from etcd3gw.client import Etcd3Client
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from elastic_ext.rendezvous.errors import ConfigError, StoreAuthError, StoreUnavailableError
+from elastic_ext.rendezvous.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+MIN_SERVER_VERSION = (3, 4)
+
+
+def _b64(data: bytes | str) -> str:
+    raw = data.encode() if isinstance(data, str) else data
+    return base64.b64encode(raw).decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The smallest key greater than every key that starts with ``prefix``."""
+    end = bytearray(prefix)
+    for i in range(len(end) - 1, -1, -1):
+        if end[i] < 0xFF:
+            end[i] += 1
+            return bytes(end[: i + 1])
+    return b"\0"
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: bytes
+    value: bytes
+    mod_revision: int
+
+
+class _Transient(Exception):
+    """An endpoint failed in a way the next endpoint (or a retry) may not."""
+
+
+class _TokenExpired(Exception):
+    pass
+
+
+class EtcdClient:
+    """Thread-safe: each thread gets its own ``requests`` session."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._lock = threading.Lock()
+        self._current = 0  # index of the endpoint that answered last
+        self._token: str | None = None
+        self._local = threading.local()
+        self._api_path: str | None = None
+
+    # -- plumbing ----------------------------------------------------------------------
+    def _session(self) -> requests.Session:
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = requests.Session()
+            session.trust_env = False  # ignore proxies and REQUESTS_CA_BUNDLE from the machine
+            tls = self._settings.tls
+            session.verify = tls.cacert if tls.cacert else True
+            if tls.cert and tls.key:
+                session.cert = (tls.cert, tls.key)
+            self._local.session = session
+        return session
+
+    def _client(self, index: int) -> Etcd3Client:
+        ep = self._settings.endpoints[index]
+        return Etcd3Client(host=ep.host, port=ep.port, protocol=self._settings.scheme,
+                           timeout=self._settings.timeouts.request, session=self._session(),
+                           api_path=self._api_path or "/v3/")
+
+    def _post_once(self, index: int, path: str, payload: dict[str, Any],
+                   auth: bool = True) -> dict[str, Any]:
+        client = self._client(index)
+        session = client.session
+        session.headers.pop("Authorization", None)
+        if auth and self._token:
+            session.headers["Authorization"] = self._token
+        endpoint = self._settings.endpoints[index]
+        try:
+            return client.post(client.get_url(path), json=payload)
+        except (gw_errors.ConnectionFailedError, gw_errors.ConnectionTimeoutError,
+                gw_errors.InternalServerError) as exc:
+            raise _Transient(f"{endpoint}: {exc}") from exc
+        except gw_errors.Etcd3Exception as exc:
+            detail = str(getattr(exc, "detail_text", "") or exc)
+            if "invalid auth token" in detail or "auth: revision" in detail:
+                raise _TokenExpired(detail) from exc
+            if "permission denied" in detail or "authentication failed" in detail \
+                    or "user name is empty" in detail or "user name not found" in detail:
+                raise StoreAuthError(
+                    f"etcd at {endpoint} refused the request ({detail.strip()}); check "
+                    "--rdzv-conf user / password_env / password_file and that the user's "
+                    "role may read and write the run's key prefix") from exc
+            if "etcdserver: request timed out" in detail or "leader changed" in detail \
+                    or "no leader" in detail:
+                raise _Transient(f"{endpoint}: {detail}") from exc
+            raise StoreUnavailableError(f"etcd at {endpoint} answered {detail.strip()}") from exc
+        except requests.exceptions.SSLError as exc:
+            raise StoreAuthError(f"TLS handshake with etcd at {endpoint} failed ({exc}); check "
+                                 "--rdzv-conf cacert / cert / key") from exc
+        except requests.exceptions.RequestException as exc:
+            raise _Transient(f"{endpoint}: {exc}") from exc
+        except ValueError as exc:  # not JSON: not an etcd gateway
+            raise StoreUnavailableError(
+                f"{endpoint} did not answer like etcd's v3 gateway ({exc}); is this an etcd "
+                ">= 3.4 client URL?") from exc
+
+    def _authenticate(self, index: int) -> None:
+        if not self._settings.user:
+            raise StoreAuthError("etcd asks for authentication: set --rdzv-conf user=... and "
+                                 "its password through password_env or password_file")
+        reply = self._post_once(index, "/auth/authenticate",
+                                {"name": self._settings.user,
+                                 "password": self._settings.password or ""}, auth=False)
+        self._token = reply.get("token")
+
+    def call(self, path: str, payload: dict[str, Any], deadline: float | None = None) -> dict[str, Any]:
+        """POST to the first endpoint that answers, rotating and retrying until ``deadline``."""
+        endpoints = self._settings.endpoints
+        errors: list[str] = []
+
+        def attempt() -> dict[str, Any]:
+            index = self._current
+            try:
+                if self._settings.user and self._token is None:
+                    self._authenticate(index)
+                try:
+                    return self._post_once(index, path, payload)
+                except _TokenExpired:
+                    self._token = None
+                    self._authenticate(index)
+                    return self._post_once(index, path, payload)
+            except _Transient as exc:
+                errors.append(str(exc))
+                with self._lock:
+                    if self._current == index:
+                        self._current = (index + 1) % len(endpoints)
+                raise
+
+        retrying = Retrying(
+            stop=stop_after_delay(deadline if deadline is not None else self._settings.timeouts.connect),
+            wait=wait_exponential(multiplier=0.02, max=0.5),
+            retry=retry_if_exception_type(_Transient), reraise=True)
+        try:
+            return retrying(attempt)
+        except _Transient as exc:
+            tried = ", ".join(str(ep) for ep in endpoints)
+            raise StoreUnavailableError(
+                f"no etcd endpoint answered within {self._settings.timeouts.connect:g}s "
+                f"(tried {tried}; last error: {errors[-1] if errors else exc}). Check "
+                "--rdzv-endpoint, that etcd is running, and firewalls") from exc
+
+    # -- the operations the rendezvous needs -------------------------------------------
+    def server_version(self) -> str:
+        """Fails clearly on something that is not an etcd >= 3.4 serving the v3 gateway."""
+        last: Exception | None = None
+        for index, ep in enumerate(self._settings.endpoints):
+            try:
+                resp = self._session().get(f"{self._settings.scheme}://{ep}/version",
+                                           timeout=self._settings.timeouts.request)
+                version = resp.json()["etcdserver"]
+            except requests.exceptions.SSLError as exc:
+                raise StoreAuthError(f"TLS handshake with etcd at {ep} failed ({exc}); check "
+                                     "--rdzv-conf cacert / cert / key") from exc
+            except (requests.exceptions.RequestException, ValueError, KeyError) as exc:
+                last = exc
+                continue
+            parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+            if parts < MIN_SERVER_VERSION:
+                raise ConfigError(f"etcd at {ep} is version {version}; etcd-ext needs the v3 API "
+                                  "of etcd >= 3.4 (its HTTP gateway)")
+            self._current = index
+            return version
+        raise StoreUnavailableError(
+            f"no etcd answered at {self._settings.describe_endpoints()} ({last}); check "
+            "--rdzv-endpoint and that etcd is running")
+
+    def get(self, key: str) -> KeyValue | None:
+        reply = self.call("/kv/range", {"key": _b64(key)})
+        kvs = reply.get("kvs") or []
+        if not kvs:
+            return None
+        kv = kvs[0]
+        return KeyValue(_unb64(kv["key"]), _unb64(kv.get("value", "")), int(kv["mod_revision"]))
+
+    def get_prefix(self, prefix: str) -> list[KeyValue]:
+        raw = prefix.encode()
+        reply = self.call("/kv/range", {"key": _b64(raw), "range_end": _b64(_prefix_end(raw))})
+        return [KeyValue(_unb64(kv["key"]), _unb64(kv.get("value", "")), int(kv["mod_revision"]))
+                for kv in reply.get("kvs") or []]
+
+    def put(self, key: str, value: bytes, lease: int | None = None) -> int:
+        payload: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            payload["lease"] = str(lease)
+        return int(self.call("/kv/put", payload)["header"]["revision"])
+
+    def delete_prefix(self, prefix: str) -> None:
+        raw = prefix.encode()
+        self.call("/kv/deleterange", {"key": _b64(raw), "range_end": _b64(_prefix_end(raw))})
+
+    def delete(self, key: str) -> None:
+        self.call("/kv/deleterange", {"key": _b64(key)})
+
+    def compare_and_swap(self, key: str, value: bytes, mod_revision: int | None,
+                         lease: int | None = None) -> tuple[bool, KeyValue | None]:
+        """Write ``value`` iff the key is at ``mod_revision`` (None: iff it does not exist).
+
+        One transaction; returns (succeeded, the key as it is now).
+        """
+        compare: dict[str, Any] = {"key": _b64(key), "target": "MOD" if mod_revision else "CREATE",
+                                   "result": "EQUAL"}
+        if mod_revision:
+            compare["mod_revision"] = str(mod_revision)
+        else:
+            compare["create_revision"] = "0"
+        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            put["lease"] = str(lease)
+        txn = {"compare": [compare], "success": [{"request_put": put}],
+               "failure": [{"request_range": {"key": _b64(key)}}]}
+        reply = self.call("/kv/txn", txn)
+        if reply.get("succeeded"):
+            return True, KeyValue(key.encode(), value, int(reply["header"]["revision"]))
+        for response in reply.get("responses") or []:
+            kvs = (response.get("response_range") or {}).get("kvs") or []
+            if kvs:
+                kv = kvs[0]
+                return False, KeyValue(_unb64(kv["key"]), _unb64(kv.get("value", "")),
+                                       int(kv["mod_revision"]))
+        return False, None
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomic integer add, by compare-and-swap."""
+        while True:
+            current = self.get(key)
+            base = int(current.value) if current and current.value else 0
+            ok, _ = self.compare_and_swap(key, str(base + amount).encode(),
+                                          current.mod_revision if current else None)
+            if ok:
+                return base + amount
+
+    def multi_get(self, keys: Sequence[str]) -> list[KeyValue | None]:
+        if not keys:
+            return []
+        txn = {"success": [{"request_range": {"key": _b64(k)}} for k in keys]}
+        reply = self.call("/kv/txn", txn)
+        out: list[KeyValue | None] = []
+        for response in reply.get("responses") or []:
+            kvs = (response.get("response_range") or {}).get("kvs") or []
+            out.append(KeyValue(_unb64(kvs[0]["key"]), _unb64(kvs[0].get("value", "")),
+                                int(kvs[0]["mod_revision"])) if kvs else None)
+        return out
+
+    def multi_put(self, items: Sequence[tuple[str, bytes]]) -> None:
+        txn = {"success": [{"request_put": {"key": _b64(k), "value": _b64(v)}} for k, v in items]}
+        self.call("/kv/txn", txn)
+
+    def lease_grant(self, ttl: int) -> int:
+        return int(self.call("/lease/grant", {"TTL": str(ttl), "ID": "0"})["ID"])
+
+    def lease_keepalive(self, lease: int) -> None:
+        self.call("/lease/keepalive", {"ID": str(lease)})

@@ -1,0 +1,124 @@
+"""The agent's background thread: heartbeat, watch the others, tell torch when to restart.
+
+torch's agent polls ``num_nodes_waiting()`` every monitor interval while its
+workers are healthy and restarts them, without spending a local restart, when
+it is positive. The keeper makes that number cover every reason to leave the
+current round: a dead or frozen participant, a node waiting to join, a newer
+round, or a worker's report that a peer failed. It never blocks the agent: the
+agent reads the keeper's last verdict.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from elastic_ext.control import AgentControl
+from elastic_ext.rendezvous.backend import StoreBackend
+from elastic_ext.rendezvous.errors import CorruptStateError
+from elastic_ext.rendezvous.liveness import Liveness
+from elastic_ext.rendezvous.state import Limits, Reason, RunState, restart_pressure
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Pressure:
+    count: int = 0
+    why: str = ""
+    reason: Reason = Reason.FAILURE
+
+
+class Keeper:
+    def __init__(self, backend: StoreBackend, node: str, interval: float, timeout: float,
+                 limits: Limits, control: AgentControl,
+                 on_event: Callable[[str], None] = lambda message: None) -> None:
+        self._backend = backend
+        self._node = node
+        self._interval = interval
+        self._limits = limits
+        self._control = control
+        self._on_event = on_event
+        self._liveness = Liveness(timeout)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._round: tuple[str, int] | None = None
+        self._pressure = Pressure()
+        self._reported_dead: set[str] = set()
+        self._failing_since: float | None = None
+
+    # -- what the handler reads ---------------------------------------------------------
+    @property
+    def pressure(self) -> Pressure:
+        with self._lock:
+            return self._pressure
+
+    def dead_among(self, nodes: set[str]) -> frozenset[str]:
+        with self._lock:
+            return self._liveness.dead_among(nodes - {self._node})
+
+    def watch_round(self, round_: tuple[str, int] | None) -> None:
+        with self._lock:
+            self._round = round_
+            self._pressure = Pressure()
+            self._reported_dead.clear()
+
+    # -- the thread ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="etcd-ext-keeper", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5 * self._interval + 5)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            self.tick()
+            self._stop.wait(max(0.0, self._interval - (time.monotonic() - started)))
+
+    def tick(self) -> None:
+        try:
+            self._backend.beat(self._node)
+            current = self._backend.get_state()
+            state = RunState.from_bytes(current[0]) if current else None
+            nodes = state.known_nodes() - {self._node} if state else set()
+            beats = self._backend.read_beats(sorted(nodes))
+        except CorruptStateError as exc:
+            logger.error("etcd-ext: %s", exc)
+            return
+        except Exception as exc:  # the store is down or slow: we see nothing, judge nothing
+            with self._lock:
+                self._liveness.blind()
+            if self._failing_since is None:
+                self._failing_since = time.monotonic()
+                logger.warning("etcd-ext: store unreachable, heartbeats paused: %s", exc)
+            return
+        if self._failing_since is not None:
+            logger.warning("etcd-ext: store reachable again after %.1fs",
+                           time.monotonic() - self._failing_since)
+            self._failing_since = None
+        with self._lock:
+            self._liveness.observe(beats)
+            if state is not None:
+                self._liveness.forget(nodes)
+            dead = self._liveness.dead_among(nodes)
+            for node in sorted(dead - self._reported_dead):
+                self._on_event(f"node {node} declared dead (no heartbeat change)")
+            self._reported_dead |= dead
+            if self._round is None or state is None:
+                return
+            if self._pressure.count:
+                return  # sticky until the next round: the agent acts on the first reason
+            count, why, reason = restart_pressure(
+                state, self._node, dead, self._limits, self._round,
+                self._control.fault_reported(self._round[1]) is not None)
+            if count:
+                logger.info("etcd-ext: leaving round %d: %s", self._round[1], why)
+                self._pressure = Pressure(count, why, reason)

@@ -1,0 +1,258 @@
+"""``--rdzv-conf`` and ``--rdzv-endpoint`` parsed into frozen settings, or a clear error.
+
+Every accepted key is listed in ``CONF_KEYS``; the README's configuration table
+documents the same keys. Parsing is pure so it can be tested without a store.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elastic_ext.rendezvous.errors import ConfigError
+
+DEFAULT_ETCD_PORT = 2379
+DEFAULT_C10D_PORT = 29400
+DEFAULT_PASSWORD_ENV = "ELASTIC_EXT_ETCD_PASSWORD"
+
+# key -> (default, meaning). The README table is generated from the same text.
+CONF_KEYS: dict[str, tuple[str, str]] = {
+    "store": ("auto", "`etcd`, `c10d` (embedded TCPStore) or `auto`: `c10d` when the endpoint "
+                      "is empty or starts with `c10d://`, else `etcd`"),
+    "key_prefix": ("/elastic-ext", "the run's keys live under `<key_prefix>/<run_id>/`"),
+    "join_timeout": ("600", "seconds a node waits for a round to admit it (below `--nnodes` MIN "
+                            "included) before it exits; torchrun's `--rdzv-timeout` sets it too"),
+    "last_call_timeout": ("1.0", "seconds a round with at least MIN nodes waits for live members "
+                                 "that have not rejoined yet; it closes at once when all have"),
+    "close_timeout": ("10", "seconds `shutdown` and `set_closed` keep trying to reach the store"),
+    "heartbeat_interval": ("0.5", "seconds between an agent's heartbeats"),
+    "heartbeat_timeout": ("3.0", "a node whose heartbeat has not changed for this long is dead"),
+    "request_timeout": ("2.0", "seconds one etcd request may take before the next endpoint is tried"),
+    "connect_timeout": ("15", "seconds a store operation keeps retrying across endpoints "
+                              "before the agent fails with the endpoints named"),
+    "max_restarts": ("torchrun's `--max-restarts`", "job-wide budget of worker-failure restarts, "
+                                                    "kept in the store; membership changes are free"),
+    "cacert": ("", "CA bundle that signed etcd's server certificate (turns on https)"),
+    "cert": ("", "client certificate for etcd mutual TLS (needs `key`)"),
+    "key": ("", "private key of `cert`"),
+    "user": ("", "etcd user name; its password comes from `password_env` or `password_file`"),
+    "password_env": (DEFAULT_PASSWORD_ENV, "environment variable that holds the etcd password"),
+    "password_file": ("", "file whose first line is the etcd password"),
+    "is_host": ("auto", "c10d store only: whether this node hosts the embedded TCPStore "
+                        "(`auto`: the node whose address matches the endpoint tries)"),
+    "timeout": ("900", "set by torchrun from `--rdzv-timeout`; used as `join_timeout` "
+                       "when that key is not given"),
+}
+
+_FORBIDDEN = {"password": "pass the password through `password_env` (an environment variable "
+                          "name) or `password_file`, never on the command line"}
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    join: float = 600.0
+    last_call: float = 1.0
+    close: float = 10.0
+    heartbeat_interval: float = 0.5
+    heartbeat: float = 3.0
+    request: float = 2.0
+    connect: float = 15.0
+
+
+@dataclass(frozen=True)
+class TlsSettings:
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+
+@dataclass(frozen=True)
+class Settings:
+    store: str  # "etcd" or "c10d"
+    endpoints: tuple[Endpoint, ...]
+    scheme: str  # "http" or "https" for etcd; "tcp" for c10d
+    key_prefix: str
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    timeouts: Timeouts = Timeouts()
+    tls: TlsSettings = TlsSettings()
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    max_restarts: int | None = None
+    is_host: bool | None = None
+    local_addr: str | None = None
+
+    @property
+    def run_prefix(self) -> str:
+        return f"{self.key_prefix.rstrip('/')}/{self.run_id}/"
+
+    def describe_endpoints(self) -> str:
+        return ",".join(f"{self.scheme}://{ep}" for ep in self.endpoints)
+
+
+def _number(key: str, raw: Any, *, minimum: float, integer: bool = False) -> float:
+    try:
+        value = int(str(raw)) if integer else float(str(raw))
+    except ValueError:
+        kind = "a whole number" if integer else "a number of seconds"
+        raise ConfigError(f"--rdzv-conf {key}={raw!r} is not {kind}") from None
+    if math.isnan(value) or math.isinf(value) or value < minimum:
+        raise ConfigError(f"--rdzv-conf {key}={raw!r} must be a finite number >= {minimum}")
+    return value
+
+
+def _bool_or_auto(key: str, raw: Any) -> bool | None:
+    text = str(raw).strip().lower()
+    if text in {"auto", ""}:
+        return None
+    if text in {"1", "true", "yes", "on"}:
+        return True
+    if text in {"0", "false", "no", "off"}:
+        return False
+    raise ConfigError(f"--rdzv-conf {key}={raw!r} must be true, false or auto")
+
+
+_HOST_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+def parse_endpoints(text: str, default_port: int) -> tuple[str | None, tuple[Endpoint, ...]]:
+    """``'etcd://a:1,b'`` -> (``'etcd'``, endpoints); the scheme is None when absent."""
+    text = text.strip()
+    scheme = None
+    if "://" in text:
+        scheme, text = text.split("://", 1)
+        scheme = scheme.lower()
+    endpoints = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        item = re.sub(r"^[a-z0-9]+://", "", item).rstrip("/")
+        if item.startswith("["):
+            host, _, rest = item[1:].partition("]")
+            port_text = rest[1:] if rest.startswith(":") else ""
+        elif item.count(":") == 1:
+            host, port_text = item.split(":")
+        else:
+            host, port_text = item, ""
+        if not host or not (_HOST_RE.match(host) or ":" in host):
+            raise ConfigError(f"--rdzv-endpoint entry {item!r} is not HOST[:PORT]")
+        try:
+            port = int(port_text) if port_text else default_port
+        except ValueError:
+            raise ConfigError(f"--rdzv-endpoint entry {item!r} has a port that is not a number") from None
+        if not 0 < port < 65536:
+            raise ConfigError(f"--rdzv-endpoint entry {item!r}: port {port} is outside 1-65535")
+        endpoints.append(Endpoint(host, port))
+    return scheme, tuple(endpoints)
+
+
+def _read_password(conf: Mapping[str, Any], user: str | None) -> str | None:
+    if not user:
+        return None
+    if conf.get("password_file"):
+        path = Path(str(conf["password_file"]))
+        try:
+            return path.read_text().splitlines()[0]
+        except (OSError, IndexError) as exc:
+            raise ConfigError(f"--rdzv-conf password_file={path}: cannot read a password "
+                              f"from it ({exc})") from exc
+    env_name = str(conf.get("password_env") or DEFAULT_PASSWORD_ENV)
+    if env_name not in os.environ:
+        raise ConfigError(f"--rdzv-conf user={user} needs a password: set the environment "
+                          f"variable {env_name} or give password_file")
+    return os.environ[env_name]
+
+
+def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int,
+                   conf: Mapping[str, Any], local_addr: str | None = None,
+                   default_max_restarts: int | None = None) -> Settings:
+    """Validate everything up front so a bad flag fails before any node waits."""
+    for key in conf:
+        if key in _FORBIDDEN:
+            raise ConfigError(f"--rdzv-conf {key}=... is not accepted: {_FORBIDDEN[key]}")
+        if key not in CONF_KEYS:
+            raise ConfigError(f"unknown --rdzv-conf key {key!r}; etcd-ext accepts: "
+                              + ", ".join(sorted(CONF_KEYS)))
+    if min_nodes < 1 or max_nodes < min_nodes:
+        raise ConfigError(f"--nnodes={min_nodes}:{max_nodes} is not a range: use MIN:MAX with "
+                          "1 <= MIN <= MAX, e.g. --nnodes=2:4")
+    if not run_id or not re.match(r"^[A-Za-z0-9_.\-]+$", run_id):
+        raise ConfigError(f"--rdzv-id={run_id!r}: use letters, digits, '.', '_' and '-' only")
+
+    store = str(conf.get("store", "auto")).lower()
+    if store not in {"auto", "etcd", "c10d"}:
+        raise ConfigError(f"--rdzv-conf store={store!r} must be etcd, c10d or auto")
+    scheme_hint = endpoint.strip().split("://", 1)[0].lower() if "://" in endpoint else None
+    if store == "auto":
+        store = "c10d" if (not endpoint.strip() or scheme_hint == "c10d") else "etcd"
+    default_port = DEFAULT_C10D_PORT if store == "c10d" else DEFAULT_ETCD_PORT
+    scheme, endpoints = parse_endpoints(endpoint, default_port)
+    tls = TlsSettings(cacert=conf.get("cacert") or None, cert=conf.get("cert") or None,
+                      key=conf.get("key") or None)
+    if bool(tls.cert) != bool(tls.key):
+        raise ConfigError("--rdzv-conf cert and key go together: give both or neither")
+    for name in ("cacert", "cert", "key"):
+        path = getattr(tls, name)
+        if path and not Path(path).is_file():
+            raise ConfigError(f"--rdzv-conf {name}={path}: no such file")
+
+    if store == "c10d":
+        if scheme not in {None, "c10d", "tcp"}:
+            raise ConfigError(f"store c10d takes a c10d://HOST:PORT endpoint, not {scheme}://")
+        endpoints = endpoints or (Endpoint("127.0.0.1", DEFAULT_C10D_PORT),)
+        if len(endpoints) != 1:
+            raise ConfigError("the embedded c10d store has one endpoint, HOST:PORT; "
+                              "for several endpoints use an etcd cluster")
+        wire_scheme = "tcp"
+    else:
+        if scheme not in {None, "etcd", "http", "https", "etcds"}:
+            raise ConfigError(f"--rdzv-endpoint scheme {scheme}:// is not etcd://, http:// or https://")
+        if not endpoints:
+            raise ConfigError("store etcd needs --rdzv-endpoint=HOST:PORT[,HOST:PORT...] "
+                              "(or leave the endpoint empty to use the embedded c10d store)")
+        wire_scheme = "https" if (scheme in {"https", "etcds"} or tls.cacert or tls.cert) else "http"
+
+    join = conf.get("join_timeout", conf.get("timeout", 600))
+    timeouts = Timeouts(
+        join=_number("join_timeout", join, minimum=1),
+        last_call=_number("last_call_timeout", conf.get("last_call_timeout", 1.0), minimum=0),
+        close=_number("close_timeout", conf.get("close_timeout", 10), minimum=0.1),
+        heartbeat_interval=_number("heartbeat_interval", conf.get("heartbeat_interval", 0.5),
+                                   minimum=0.05),
+        heartbeat=_number("heartbeat_timeout", conf.get("heartbeat_timeout", 3.0), minimum=0.2),
+        request=_number("request_timeout", conf.get("request_timeout", 2.0), minimum=0.05),
+        connect=_number("connect_timeout", conf.get("connect_timeout", 15), minimum=0.1),
+    )
+    if timeouts.heartbeat < 2 * timeouts.heartbeat_interval:
+        raise ConfigError(f"--rdzv-conf heartbeat_timeout={timeouts.heartbeat} must be at least "
+                          f"twice heartbeat_interval={timeouts.heartbeat_interval}")
+    if timeouts.heartbeat > timeouts.join:
+        raise ConfigError("--rdzv-conf heartbeat_timeout must not exceed join_timeout")
+
+    max_restarts = default_max_restarts
+    if "max_restarts" in conf:
+        max_restarts = int(_number("max_restarts", conf["max_restarts"], minimum=0, integer=True))
+    user = str(conf["user"]) if conf.get("user") else None
+    key_prefix = str(conf.get("key_prefix", "/elastic-ext"))
+    if not key_prefix.startswith("/") or "//" in key_prefix or len(key_prefix) > 200:
+        raise ConfigError(f"--rdzv-conf key_prefix={key_prefix!r} must be an absolute key path "
+                          "like /elastic-ext")
+    return Settings(
+        store=store, endpoints=endpoints, scheme=wire_scheme, key_prefix=key_prefix,
+        run_id=run_id, min_nodes=min_nodes, max_nodes=max_nodes, timeouts=timeouts, tls=tls,
+        user=user, password=_read_password(conf, user), max_restarts=max_restarts,
+        is_host=_bool_or_auto("is_host", conf.get("is_host", "auto")), local_addr=local_addr,
+    )

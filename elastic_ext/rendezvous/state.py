@@ -1,0 +1,305 @@
+"""The run's shared state and the pure decision logic over it.
+
+The state is one JSON document under ``<prefix>/<run_id>/state``, written only
+with compare-and-swap. Data only: nothing in it is ever executed or unpickled.
+Every agent runs the same ``decide`` function over (state, its own view) and
+writes the result; the store's CAS arbitrates between agents.
+
+Liveness is not in the state: each agent judges other nodes from heartbeat
+counters it watches with its own monotonic clock (see ``liveness.py``), so clocks
+on different machines never have to agree.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from elastic_ext.rendezvous.errors import CorruptStateError
+
+STATE_VERSION = 1
+MAX_STATE_BYTES = 1 << 20
+
+
+class Phase(str, enum.Enum):
+    OPEN = "open"  # admitting nodes into ``round``
+    CLOSED = "closed"  # ``round`` is running with ``order``
+
+
+class Status(str, enum.Enum):
+    ACTIVE = "active"
+    BUDGET_SPENT = "budget_spent"
+    CLOSED = "closed"  # closed for good by an operator (``set_closed``)
+
+
+class Reason(str, enum.Enum):
+    """Why a round was opened; decides whether closing it charges the restart budget."""
+
+    START = "start"
+    MEMBERSHIP = "membership"  # a node died, left, or waits to join: free
+    FAILURE = "failure"  # a worker failed; free only if membership changed after all
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """Where a node's rank-0 worker would host the workers' store if it gets rank 0."""
+
+    addr: str
+    port: int
+
+    def to_json(self) -> list[Any]:
+        return [self.addr, self.port]
+
+
+@dataclass(frozen=True)
+class RunState:
+    generation: str
+    round: int
+    phase: Phase
+    members: Mapping[str, NodeInfo]  # open: joined so far; closed: the round's nodes
+    order: tuple[str, ...] = ()  # closed: node ids by rank
+    waiting: Mapping[str, NodeInfo] = field(default_factory=dict)
+    previous: tuple[str, ...] = ()  # open: the last closed round's order
+    opened_because: Reason = Reason.START
+    restarts: int = 0
+    status: Status = Status.ACTIVE
+    note: str = ""
+
+    def known_nodes(self) -> set[str]:
+        return set(self.members) | set(self.waiting) | set(self.previous)
+
+    def rank_of(self, node: str) -> int:
+        return self.order.index(node)
+
+    def master(self) -> NodeInfo:
+        return self.members[self.order[0]]
+
+    # -- encoding -----------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        doc = {
+            "v": STATE_VERSION, "generation": self.generation, "round": self.round,
+            "phase": self.phase.value, "status": self.status.value,
+            "members": {k: v.to_json() for k, v in self.members.items()},
+            "order": list(self.order),
+            "waiting": {k: v.to_json() for k, v in self.waiting.items()},
+            "previous": list(self.previous), "opened_because": self.opened_because.value,
+            "restarts": self.restarts, "note": self.note,
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> RunState:
+        """Parse strictly; anything unexpected is ``CorruptStateError``, never executed."""
+        if len(raw) > MAX_STATE_BYTES:
+            raise CorruptStateError(f"state is {len(raw)} bytes, over the {MAX_STATE_BYTES} limit")
+        try:
+            doc = json.loads(raw)
+            if doc.get("v") != STATE_VERSION:
+                raise ValueError(f"unknown state version {doc.get('v')!r}")
+            state = cls(
+                generation=_text(doc["generation"]), round=_int(doc["round"]),
+                phase=Phase(doc["phase"]), status=Status(doc["status"]),
+                members=_nodes(doc["members"]), order=tuple(_text(n) for n in doc["order"]),
+                waiting=_nodes(doc["waiting"]),
+                previous=tuple(_text(n) for n in doc["previous"]),
+                opened_because=Reason(doc["opened_because"]),
+                restarts=_int(doc["restarts"]), note=_text(doc.get("note", "")),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+            raise CorruptStateError(f"the run's state key does not hold an etcd-ext state "
+                                    f"({exc}); delete the key or use another --rdzv-id") from exc
+        if state.phase is Phase.CLOSED and set(state.order) != set(state.members):
+            raise CorruptStateError("the run's state lists a round whose order and members differ")
+        return state
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str) or len(value) > 4096:
+        raise ValueError(f"expected a short string, got {type(value).__name__}")
+    return value
+
+
+def _int(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"expected a non-negative integer, got {value!r}")
+    return value
+
+
+def _nodes(doc: Any) -> dict[str, NodeInfo]:
+    if not isinstance(doc, dict):
+        raise ValueError("expected a mapping of nodes")
+    out = {}
+    for node, info in doc.items():
+        addr, port = info
+        if not 0 < _int(port) < 65536:
+            raise ValueError(f"bad port {port!r}")
+        out[_text(node)] = NodeInfo(_text(addr), port)
+    return out
+
+
+# -- decisions ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Limits:
+    min_nodes: int
+    max_nodes: int
+    last_call: float
+    max_restarts: int | None
+
+
+@dataclass(frozen=True)
+class View:
+    """What one agent knows beyond the state itself."""
+
+    me: str
+    my_info: NodeInfo
+    dead: frozenset[str]  # nodes this agent judges dead or gone
+    completed: tuple[str, int] | None  # (generation, round) this agent last ran in
+    min_reached_for: float | None  # seconds since it saw the open round reach MIN nodes
+    reenter_reason: Reason  # why it is back in the rendezvous after ``completed``
+    fresh_generation: str  # the id to use if it must start a new generation
+
+
+class Outcome(enum.Enum):
+    WAIT = "wait"  # poll again
+    WRITE = "write"  # compare-and-swap ``state``, then decide again
+    JOINED = "joined"  # this node is in the closed round ``state``
+    BUDGET_SPENT = "budget_spent"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class Decision:
+    outcome: Outcome
+    state: RunState | None = None
+
+
+def fresh_state(view: View, round_: int) -> RunState:
+    return RunState(generation=view.fresh_generation, round=round_, phase=Phase.OPEN,
+                    members={view.me: view.my_info}, opened_because=Reason.START,
+                    note=f"generation started by {view.me}")
+
+
+def _without(nodes: Mapping[str, NodeInfo], drop: Iterable[str]) -> dict[str, NodeInfo]:
+    dropped = set(drop)
+    return {k: v for k, v in nodes.items() if k not in dropped}
+
+
+def _is_stranger(state: RunState, view: View) -> bool:
+    return view.completed is None or view.completed[0] != state.generation
+
+
+def decide(state: RunState | None, view: View, limits: Limits) -> Decision:
+    """One step of the rendezvous for ``view.me``. Pure: no I/O, no clocks."""
+    if state is None:
+        return Decision(Outcome.WRITE, fresh_state(view, 1))
+    if state.status is Status.CLOSED:
+        return Decision(Outcome.CLOSED, state)
+    others = state.known_nodes() - {view.me}
+    everyone_gone = others <= view.dead
+    if everyone_gone and _is_stranger(state, view) and not (
+            state.phase is Phase.OPEN and view.me in state.members):
+        # Nobody of the old generation is alive: a new job (or a requeued one) starts over.
+        return Decision(Outcome.WRITE, fresh_state(view, state.round + 1))
+    if state.status is Status.BUDGET_SPENT:
+        return Decision(Outcome.BUDGET_SPENT, state)
+    if state.phase is Phase.CLOSED:
+        return _decide_closed(state, view)
+    return _decide_open(state, view, limits)
+
+
+def _decide_closed(state: RunState, view: View) -> Decision:
+    if view.me in state.members:
+        if view.completed != (state.generation, state.round):
+            return Decision(Outcome.JOINED, state)
+        return Decision(Outcome.WRITE, open_next_round(state, view, view.reenter_reason))
+    if view.me not in state.waiting:
+        waiting = {**state.waiting, view.me: view.my_info}
+        return Decision(Outcome.WRITE, replace(state, waiting=waiting,
+                                               note=f"{view.me} waits to join"))
+    if set(state.order) <= view.dead:
+        return Decision(Outcome.WRITE, open_next_round(state, view, Reason.MEMBERSHIP))
+    return Decision(Outcome.WAIT)
+
+
+def open_next_round(state: RunState, view: View, reason: Reason) -> RunState:
+    return replace(state, round=state.round + 1, phase=Phase.OPEN,
+                   members={view.me: view.my_info}, order=(), previous=state.order,
+                   waiting=_without(state.waiting, [view.me]), opened_because=reason,
+                   note=f"round {state.round + 1} opened by {view.me} ({reason.value})")
+
+
+def _decide_open(state: RunState, view: View, limits: Limits) -> Decision:
+    dead_members = (set(state.members) & view.dead) - {view.me}
+    if dead_members:
+        return Decision(Outcome.WRITE, replace(
+            state, members=_without(state.members, dead_members),
+            note=f"dropped dead {sorted(dead_members)} from round {state.round}"))
+    if view.me not in state.members:
+        if len(state.members) < limits.max_nodes:
+            return Decision(Outcome.WRITE, replace(
+                state, members={**state.members, view.me: view.my_info},
+                waiting=_without(state.waiting, [view.me])))
+        if view.me not in state.waiting:
+            return Decision(Outcome.WRITE, replace(
+                state, waiting={**state.waiting, view.me: view.my_info}))
+        return Decision(Outcome.WAIT)
+    if should_close(state, view, limits):
+        return Decision(Outcome.WRITE, close_round(state, view, limits))
+    return Decision(Outcome.WAIT)
+
+
+def should_close(state: RunState, view: View, limits: Limits) -> bool:
+    joined = len(state.members)
+    if joined < limits.min_nodes:
+        return False
+    if joined >= limits.max_nodes:
+        return True
+    if view.min_reached_for is not None and view.min_reached_for >= limits.last_call:
+        return True
+    if state.opened_because is Reason.START:
+        return False  # a fresh job gives late starters the whole last call
+    expected = (set(state.previous) | set(state.waiting)) - view.dead - set(state.members)
+    return not expected
+
+
+def close_round(state: RunState, view: View, limits: Limits) -> RunState:
+    kept = [n for n in state.previous if n in state.members]
+    order = tuple(kept + [n for n in state.members if n not in kept])
+    unchanged = bool(state.previous) and set(order) == set(state.previous)
+    charge = int(unchanged and state.opened_because is not Reason.MEMBERSHIP)
+    restarts = state.restarts + charge
+    waiting = _without(state.waiting, set(order) | view.dead)
+    if limits.max_restarts is not None and restarts > limits.max_restarts:
+        return replace(state, status=Status.BUDGET_SPENT, restarts=restarts, waiting=waiting,
+                       note=f"restart budget spent: {restarts} worker-failure restarts "
+                            f"> --max-restarts={limits.max_restarts}")
+    what = "worker failure, restart charged" if charge else state.opened_because.value
+    return replace(state, phase=Phase.CLOSED, order=order, restarts=restarts, waiting=waiting,
+                   note=f"round {state.round} closed with {len(order)} nodes ({what})")
+
+
+def restart_pressure(state: RunState, me: str, dead: frozenset[str], limits: Limits,
+                     my_round: tuple[str, int], fault_reported: bool) -> tuple[int, str, Reason]:
+    """How many reasons a running agent has to restart its workers, the first, and its kind.
+
+    torch's agent polls ``num_nodes_waiting`` while its workers are healthy and
+    restarts them without spending a local restart when it is positive.
+    """
+    if (state.generation, state.round) != my_round or state.phase is Phase.OPEN:
+        return 1, f"round {state.round} ({state.phase.value}) replaced round {my_round[1]}", \
+            Reason.FAILURE
+    if state.status is not Status.ACTIVE:
+        return 1, f"run is {state.status.value}", Reason.FAILURE
+    lost = sorted(set(state.order) & dead - {me})
+    if lost:
+        return len(lost), f"dead or hung: {', '.join(lost)}", Reason.MEMBERSHIP
+    room = limits.max_nodes - len(state.order)
+    joiners = [n for n in state.waiting if n not in dead][:max(room, 0)]
+    if joiners:
+        return len(joiners), f"waiting to join: {', '.join(joiners)}", Reason.MEMBERSHIP
+    if fault_reported:
+        return 1, "a worker reported a peer fault", Reason.FAILURE
+    return 0, "", Reason.FAILURE

@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from support.processes import ProcessSet  # noqa: E402
+
+
+@pytest.fixture
+def processes(tmp_path: Path):
+    """Spawn helper whose every process (and descendant) is killed at teardown."""
+    pset = ProcessSet(tmp_path / "logs")
+    try:
+        yield pset
+    finally:
+        try:
+            pset.cleanup()
+        finally:
+            if os.environ.get("ELASTIC_EXT_SHOW_LOGS"):
+                for proc in pset.procs:
+                    print(f"===== {proc.name} =====\n{proc.output()[-20000:]}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def etcd(processes: ProcessSet, tmp_path: Path):
+    """One real etcd member on free loopback ports, with its own data directory."""
+    from support.etcd import etcd_available, start_cluster
+
+    if not etcd_available():
+        pytest.fail("etcd server binary not found: apt-get install -y etcd-server")
+    return start_cluster(processes, tmp_path, size=1)
+
+
+@pytest.fixture
+def etcd_cluster(processes: ProcessSet, tmp_path: Path):
+    """A real 3-member etcd cluster on loopback."""
+    from support.etcd import start_cluster
+
+    return start_cluster(processes, tmp_path, size=3)

@@ -1,0 +1,128 @@
+"""Real etcd servers for tests: one member or a 3-member cluster, on free loopback ports."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+from support.processes import Proc, ProcessSet, wait_until
+
+ETCD_BIN = shutil.which("etcd") or "/usr/bin/etcd"
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class EtcdMember:
+    name: str
+    client_port: int
+    peer_port: int
+    data_dir: Path
+    extra_args: list[str] = field(default_factory=list)
+    scheme: str = "http"
+    proc: Proc | None = None
+
+    @property
+    def client_url(self) -> str:
+        return f"{self.scheme}://127.0.0.1:{self.client_port}"
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+
+@dataclass
+class EtcdCluster:
+    processes: ProcessSet
+    members: list[EtcdMember]
+    session: requests.Session = field(default_factory=requests.Session)
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(m.endpoint for m in self.members)
+
+    def start_member(self, member: EtcdMember, new: bool = True) -> None:
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        cmd = [ETCD_BIN, "--name", member.name, "--data-dir", str(member.data_dir),
+               "--listen-client-urls", member.client_url, "--advertise-client-urls", member.client_url,
+               "--listen-peer-urls", member.peer_url, "--initial-advertise-peer-urls", member.peer_url,
+               "--initial-cluster", initial, "--initial-cluster-token", f"tok-{self.members[0].client_port}",
+               "--initial-cluster-state", "new", "--log-level", "warn", *member.extra_args]
+        member.proc = self.processes.spawn(f"etcd-{member.name}", cmd)
+
+    def wait_healthy(self, member: EtcdMember, timeout: float = 30.0) -> None:
+        def healthy() -> bool:
+            if member.proc is not None and member.proc.popen.poll() is not None:
+                raise RuntimeError(f"etcd {member.name} exited:\n{member.proc.output()[-3000:]}")
+            try:
+                r = self.session.get(f"http://127.0.0.1:{member.client_port}/health", timeout=1)
+                return r.ok and r.json().get("health") == "true"
+            except (requests.RequestException, ValueError):
+                return False
+        if member.scheme == "http":
+            wait_until(healthy, timeout, 0.1, f"etcd {member.name} healthy")
+        else:
+            wait_until(lambda: _port_open(member.client_port), timeout, 0.1, f"etcd {member.name}")
+
+    def leader(self) -> EtcdMember:
+        for m in self.members:
+            try:
+                status = self.session.post(f"{m.client_url}/v3/maintenance/status", json={}, timeout=1).json()
+            except (requests.RequestException, ValueError):
+                continue
+            if status.get("leader") and status["leader"] == status["header"]["member_id"]:
+                return m
+        raise RuntimeError("no etcd leader")
+
+    def stop_member(self, member: EtcdMember) -> None:
+        assert member.proc is not None
+        member.proc.kill()
+        member.proc.popen.wait(timeout=10)
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def start_cluster(processes: ProcessSet, base_dir: Path, size: int = 1,
+                  extra_args: list[str] | None = None, scheme: str = "http") -> EtcdCluster:
+    ports = _free_ports(2 * size)
+    members = [EtcdMember(f"m{i}", ports[2 * i], ports[2 * i + 1], base_dir / f"etcd-m{i}",
+                          list(extra_args or []), scheme) for i in range(size)]
+    cluster = EtcdCluster(processes, members)
+    for m in members:
+        cluster.start_member(m)
+    for m in members:
+        cluster.wait_healthy(m)
+    return cluster
+
+
+def etcd_available() -> bool:
+    return Path(ETCD_BIN).exists()
+
+
+def run_etcdctl(cluster: EtcdCluster, *args: str) -> str:
+    ctl = shutil.which("etcdctl") or "/usr/bin/etcdctl"
+    return subprocess.run([ctl, f"--endpoints={cluster.endpoints}", *args], check=True,
+                          capture_output=True, text=True, timeout=30,
+                          env={"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin"}).stdout
