@@ -1,0 +1,104 @@
+"""Real torchrun agents rendezvous on etcd-ext and run an allreduce to completion."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from conftest import free_port
+from support.agents import ALLREDUCE_JOB, torchrun
+from support.processes import wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def allreduce_results(procs):
+    found = []
+    for p in procs:
+        found += re.findall(r"ALLREDUCE rank=(\d+) world=(\d+) sum=([\d.]+) expected=([\d.]+)",
+                            p.output())
+    return found
+
+
+def run_agents(processes, n, endpoint, nnodes, run_id="e2e", conf=""):
+    procs = [torchrun(processes, f"agent{i}", endpoint=endpoint, run_id=run_id, nnodes=nnodes,
+                      script=[str(ALLREDUCE_JOB)], conf=conf) for i in range(n)]
+    for p in procs:
+        assert p.wait(timeout=120) == 0, p.output()[-4000:]
+    return procs
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("n", [2, 3])
+def test_agents_rendezvous_on_etcd_and_finish_an_allreduce(processes, etcd, n):
+    procs = run_agents(processes, n, etcd.members[0].endpoint, f"{n}:{n}")
+    results = allreduce_results(procs)
+    assert sorted(int(r[0]) for r in results) == list(range(n))
+    assert all(int(w) == n and s == e for _, w, s, e in results)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("n", [2, 3])
+def test_agents_rendezvous_on_the_embedded_store_and_finish_an_allreduce(processes, n):
+    procs = run_agents(processes, n, f"c10d://127.0.0.1:{free_port()}", f"{n}:{n}")
+    results = allreduce_results(procs)
+    assert sorted(int(r[0]) for r in results) == list(range(n))
+    assert all(int(w) == n and s == e for _, w, s, e in results)
+
+
+@pytest.mark.timeout(240)
+def test_rendezvous_completes_when_the_etcd_leader_is_killed_meanwhile(processes, etcd_cluster):
+    first = [torchrun(processes, f"agent{i}", endpoint=etcd_cluster.endpoints, run_id="lead",
+                      nnodes="3:3", script=[str(ALLREDUCE_JOB)]) for i in range(2)]
+    # both are inside the rendezvous once their heartbeats exist
+    from elastic_ext.rendezvous.etcd_client import EtcdClient
+    from support.stores import settings_for
+    client = EtcdClient(settings_for(etcd_cluster.endpoints))
+    wait_until(lambda: len(client.get_prefix("/elastic-ext/lead/hb/")) == 2, 60, 0.1,
+               "two agents heartbeating")
+    etcd_cluster.stop_member(etcd_cluster.leader())
+    third = torchrun(processes, "agent2", endpoint=etcd_cluster.endpoints, run_id="lead",
+                     nnodes="3:3", script=[str(ALLREDUCE_JOB)])
+    procs = first + [third]
+    for p in procs:
+        assert p.wait(timeout=150) == 0, p.output()[-4000:]
+    assert sorted(int(r[0]) for r in allreduce_results(procs)) == [0, 1, 2]
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_endpoint_fails_within_the_join_timeout_naming_it(processes):
+    endpoint = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    p = torchrun(processes, "agent", endpoint=endpoint, run_id="x", nnodes="1:1",
+                 script=[str(ALLREDUCE_JOB)], conf="join_timeout=20,connect_timeout=3")
+    assert p.wait(timeout=40) != 0
+    assert time.monotonic() - started < 20
+    assert f"no etcd answered at http://{endpoint}" in p.output()
+
+
+@pytest.mark.timeout(60)
+def test_unknown_conf_key_is_named_with_the_accepted_keys(processes, etcd):
+    p = torchrun(processes, "agent", endpoint=etcd.members[0].endpoint, run_id="x", nnodes="1:1",
+                 script=[str(ALLREDUCE_JOB)], conf="hearbeat_timeout=2")
+    assert p.wait(timeout=40) != 0
+    out = p.output()
+    assert "unknown --rdzv-conf key 'hearbeat_timeout'" in out and "heartbeat_timeout" in out
+
+
+@pytest.mark.timeout(60)
+def test_inverted_nnodes_range_is_refused_before_anything_waits(processes, etcd):
+    # torchrun itself rejects MIN > MAX before it loads any rendezvous backend.
+    p = torchrun(processes, "agent", endpoint=etcd.members[0].endpoint, run_id="x", nnodes="3:2",
+                 script=[str(ALLREDUCE_JOB)])
+    assert p.wait(timeout=40) != 0
+    assert "min_nodes=3, max_nodes=2" in p.output()
+
+
+@pytest.mark.timeout(90)
+def test_a_node_below_the_minimum_gives_up_after_the_join_timeout_with_a_clear_message(processes, etcd):
+    p = torchrun(processes, "agent", endpoint=etcd.members[0].endpoint, run_id="alone",
+                 nnodes="2:2", script=[str(ALLREDUCE_JOB)], conf="join_timeout=4")
+    assert p.wait(timeout=60) != 0
+    assert "no round admitted this node within join_timeout=4s" in p.output()

@@ -1,0 +1,65 @@
+"""Heartbeat judgement on the observer's own clock."""
+
+from elastic_ext.rendezvous.liveness import LEFT, Liveness
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def watch(clock, beats_per_step, steps, step=0.5):
+    live = Liveness(timeout=3.0, clock=clock)
+    for i in range(steps):
+        live.observe({node: f(i) for node, f in beats_per_step.items()})
+        clock.now += step
+    return live
+
+
+def test_a_node_whose_counter_stops_is_dead_after_the_timeout_of_observation():
+    clock = Clock()
+    live = watch(clock, {"moving": lambda i: str(i).encode(), "stuck": lambda i: b"7"}, steps=7)
+    assert not live.is_dead("moving")
+    assert live.is_dead("stuck")
+
+
+def test_a_node_is_not_dead_before_the_timeout():
+    clock = Clock()
+    live = watch(clock, {"stuck": lambda i: b"7"}, steps=5)  # 2.5 s observed
+    assert not live.is_dead("stuck")
+
+
+def test_unknown_nodes_are_alive_until_observed():
+    assert not Liveness(3.0, Clock()).is_dead("never-seen")
+
+
+def test_a_node_that_left_is_dead_at_once():
+    live = Liveness(3.0, Clock())
+    live.observe({"n": LEFT})
+    assert live.is_dead("n")
+
+
+def test_time_we_could_not_observe_counts_against_nobody():
+    clock = Clock()
+    live = Liveness(timeout=3.0, clock=clock)
+    live.observe({"n": b"1"})
+    live.blind()  # e.g. etcd down for 20 s
+    clock.now += 20
+    live.observe({"n": b"1"})
+    assert not live.is_dead("n")
+    for _ in range(6):
+        clock.now += 0.5
+        live.observe({"n": b"1"})
+    assert live.is_dead("n")
+
+
+def test_a_long_gap_between_our_own_reads_restarts_every_timer():
+    clock = Clock()
+    live = Liveness(timeout=3.0, clock=clock)
+    live.observe({"n": b"1"})
+    clock.now += 60  # this agent was frozen
+    live.observe({"n": b"1"})
+    assert not live.is_dead("n")

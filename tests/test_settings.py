@@ -1,0 +1,120 @@
+"""--rdzv-conf and --rdzv-endpoint parsing: defaults, store choice, and clear errors."""
+
+import pytest
+
+from elastic_ext.rendezvous.errors import ConfigError
+from elastic_ext.rendezvous.settings import CONF_KEYS, parse_settings
+
+
+def parse(endpoint="127.0.0.1:2379", conf=None, nnodes=(1, 2), **kw):
+    return parse_settings(endpoint=endpoint, run_id="job1", min_nodes=nnodes[0],
+                          max_nodes=nnodes[1], conf=conf or {}, **kw)
+
+
+def test_defaults_use_etcd_with_the_documented_prefix_and_timeouts():
+    s = parse()
+    assert s.store == "etcd" and s.scheme == "http"
+    assert s.run_prefix == "/elastic-ext/job1/"
+    assert (s.timeouts.last_call, s.timeouts.heartbeat_interval, s.timeouts.heartbeat) == (1.0, 0.5, 3.0)
+
+
+def test_empty_endpoint_selects_the_embedded_store_on_the_default_port():
+    s = parse(endpoint="")
+    assert s.store == "c10d" and str(s.endpoints[0]) == "127.0.0.1:29400"
+
+
+def test_c10d_scheme_or_conf_key_selects_the_embedded_store():
+    assert parse(endpoint="c10d://node1:1234").store == "c10d"
+    assert parse(endpoint="node1:1234", conf={"store": "c10d"}).store == "c10d"
+
+
+def test_endpoint_list_keeps_order_and_fills_default_ports():
+    s = parse(endpoint="etcd://a:1,b,[::1]:3")
+    assert [str(e) for e in s.endpoints] == ["a:1", "b:2379", "[::1]:3"]
+
+
+def test_https_scheme_or_a_ca_turns_on_tls(tmp_path):
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    assert parse(endpoint="https://a:1").scheme == "https"
+    assert parse(conf={"cacert": str(ca)}).scheme == "https"
+
+
+def test_torchrun_timeout_is_the_join_timeout_unless_join_timeout_is_given():
+    assert parse(conf={"timeout": "900"}).timeouts.join == 900
+    assert parse(conf={"timeout": "900", "join_timeout": "30"}).timeouts.join == 30
+
+
+def test_unknown_key_is_named_and_the_accepted_keys_listed():
+    with pytest.raises(ConfigError, match=r"unknown --rdzv-conf key 'heartbeat'.*heartbeat_interval"):
+        parse(conf={"heartbeat": "1"})
+
+
+def test_password_on_the_command_line_is_refused():
+    with pytest.raises(ConfigError, match="password_env"):
+        parse(conf={"password": "hunter2"})
+
+
+def test_user_without_a_password_source_names_the_variable(monkeypatch):
+    monkeypatch.delenv("ELASTIC_EXT_ETCD_PASSWORD", raising=False)
+    with pytest.raises(ConfigError, match="ELASTIC_EXT_ETCD_PASSWORD"):
+        parse(conf={"user": "alice"})
+
+
+def test_password_comes_from_the_environment_or_a_file(monkeypatch, tmp_path):
+    monkeypatch.setenv("PW", "s3cret")
+    assert parse(conf={"user": "alice", "password_env": "PW"}).password == "s3cret"
+    f = tmp_path / "pw"
+    f.write_text("fromfile\n")
+    assert parse(conf={"user": "alice", "password_file": str(f)}).password == "fromfile"
+    assert "s3cret" not in repr(parse(conf={"user": "alice", "password_env": "PW"}))
+
+
+@pytest.mark.parametrize("key,value", [
+    ("join_timeout", "-5"), ("last_call_timeout", "soon"), ("heartbeat_timeout", "nan"),
+    ("heartbeat_interval", "0"), ("max_restarts", "-1"), ("request_timeout", "inf"),
+])
+def test_absurd_values_are_rejected_with_the_key_named(key, value):
+    with pytest.raises(ConfigError, match=key):
+        parse(conf={key: value})
+
+
+def test_heartbeat_timeout_must_leave_room_for_two_beats():
+    with pytest.raises(ConfigError, match="twice heartbeat_interval"):
+        parse(conf={"heartbeat_interval": "1", "heartbeat_timeout": "1.5"})
+
+
+@pytest.mark.parametrize("nnodes", [(3, 2), (0, 2)])
+def test_nnodes_range_must_be_min_le_max(nnodes):
+    with pytest.raises(ConfigError, match="--nnodes"):
+        parse(nnodes=nnodes)
+
+
+@pytest.mark.parametrize("endpoint,match", [
+    ("bad host!:1", "not HOST"), ("host:99999", "outside 1-65535"), ("host:http", "not a number"),
+    ("ftp://a:1", "scheme"), ("c10d://a:1,b:2", "one endpoint"),
+])
+def test_malformed_endpoints_are_rejected(endpoint, match):
+    with pytest.raises(ConfigError, match=match):
+        parse(endpoint=endpoint)
+
+
+def test_cert_without_key_is_rejected(tmp_path):
+    cert = tmp_path / "c.pem"
+    cert.write_text("x")
+    with pytest.raises(ConfigError, match="cert and key go together"):
+        parse(conf={"cert": str(cert)})
+
+
+def test_missing_tls_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="cacert=.*no such file"):
+        parse(conf={"cacert": str(tmp_path / "nope.pem")})
+
+
+def test_max_restarts_defaults_to_torchruns_and_conf_overrides():
+    assert parse(default_max_restarts=3).max_restarts == 3
+    assert parse(conf={"max_restarts": "5"}, default_max_restarts=3).max_restarts == 5
+
+
+def test_every_key_has_a_default_and_a_meaning_for_the_readme():
+    assert all(default is not None and meaning for default, meaning in CONF_KEYS.values())

@@ -1,0 +1,194 @@
+"""The rendezvous decision logic, run without any store."""
+
+from dataclasses import replace
+
+import pytest
+
+from elastic_ext.rendezvous.errors import CorruptStateError
+from elastic_ext.rendezvous.state import (
+    Decision, Limits, NodeInfo, Outcome, Phase, Reason, RunState, Status, View, decide,
+    restart_pressure,
+)
+
+LIMITS = Limits(min_nodes=2, max_nodes=3, last_call=1.0, max_restarts=1)
+
+
+def view(me, *, dead=(), completed=None, min_reached_for=None, reason=Reason.FAILURE):
+    return View(me=me, my_info=NodeInfo("127.0.0.1", 1000 + ord(me[-1])), dead=frozenset(dead),
+                completed=completed, min_reached_for=min_reached_for, reenter_reason=reason,
+                fresh_generation=f"gen-{me}")
+
+
+def run(state, v, limits=LIMITS, max_steps=10):
+    """Apply WRITE decisions (as a store would) until the node waits or is done."""
+    for _ in range(max_steps):
+        d = decide(state, v, limits)
+        if d.outcome is not Outcome.WRITE:
+            return state, d
+        state = d.state
+    raise AssertionError("no progress")
+
+
+def closed_round(nodes=("a", "b", "c"), round_=1, restarts=0):
+    s = None
+    for i, n in enumerate(nodes):
+        s, _ = run(s, view(n, min_reached_for=5.0 if i == len(nodes) - 1 else None))
+    assert s.phase is Phase.CLOSED and s.round == round_
+    return replace(s, restarts=restarts)
+
+
+def test_first_node_starts_a_generation_with_round_one_open():
+    s, d = run(None, view("a"))
+    assert (s.round, s.phase, list(s.members)) == (1, Phase.OPEN, ["a"])
+    assert d.outcome is Outcome.WAIT
+
+
+def test_fresh_job_waits_the_last_call_before_closing_below_max():
+    s, _ = run(None, view("a"))
+    s, d = run(s, view("b", min_reached_for=0.2))
+    assert s.phase is Phase.OPEN and d.outcome is Outcome.WAIT
+    s, d = run(s, view("b", min_reached_for=1.0))
+    assert s.phase is Phase.CLOSED and s.order == ("a", "b")
+
+
+def test_round_closes_at_once_when_max_nodes_joined():
+    s = closed_round(("a", "b", "c"))
+    assert s.order == ("a", "b", "c")
+
+
+def test_joined_node_gets_its_rank_and_the_master_is_rank_zero():
+    s = closed_round()
+    d = decide(s, view("b"), LIMITS)
+    assert d.outcome is Outcome.JOINED and s.rank_of("b") == 1
+    assert s.master() == s.members["a"]
+
+
+def test_reentering_node_opens_the_next_round_remembering_the_previous_order():
+    s = closed_round()
+    s2, _ = run(s, view("b", completed=(s.generation, 1)))
+    assert (s2.round, s2.phase, s2.previous, list(s2.members)) == (2, Phase.OPEN, ("a", "b", "c"), ["b"])
+
+
+def test_round_after_a_death_closes_as_soon_as_every_live_member_rejoined():
+    s = closed_round()
+    s, _ = run(s, view("a", completed=(s.generation, 1), dead={"c"}, reason=Reason.MEMBERSHIP))
+    s, d = run(s, view("b", completed=(s.generation, 1), dead={"c"}, min_reached_for=0.0))
+    assert s.phase is Phase.CLOSED and s.order == ("a", "b")
+    assert s.restarts == 0
+
+
+def test_round_waits_for_a_live_member_until_the_last_call():
+    s = closed_round()
+    s, _ = run(s, view("a", completed=(s.generation, 1)))
+    s, d = run(s, view("b", completed=(s.generation, 1), min_reached_for=0.5))
+    assert s.phase is Phase.OPEN and d.outcome is Outcome.WAIT  # c is alive but not back yet
+    s, _ = run(s, view("b", completed=(s.generation, 1), min_reached_for=1.0))
+    assert s.phase is Phase.CLOSED and s.order == ("a", "b")
+
+
+def test_previous_ranks_are_kept_so_rank_zero_stays_put_when_it_survives():
+    s = closed_round()
+    for n in ("c", "a"):
+        s, _ = run(s, view(n, completed=(s.generation, 1), dead={"b"}, min_reached_for=0.0))
+    assert s.order == ("a", "c")
+
+
+def test_worker_failure_with_unchanged_membership_charges_one_restart():
+    s = closed_round()
+    for n in ("c", "a", "b"):
+        s, _ = run(s, view(n, completed=(s.generation, 1)))
+    assert s.phase is Phase.CLOSED and s.restarts == 1 and "charged" in s.note
+
+
+def test_membership_change_is_free_even_if_the_opener_thought_it_was_a_failure():
+    s = closed_round()
+    for n in ("a", "b"):
+        s, _ = run(s, view(n, completed=(s.generation, 1), dead={"c"}, min_reached_for=0.0))
+    assert s.restarts == 0
+
+
+def test_spending_more_than_the_budget_stops_the_run():
+    s = closed_round(restarts=1)
+    for n in ("c", "a", "b"):
+        s, d = run(s, view(n, completed=(s.generation, 1)))
+    assert s.status is Status.BUDGET_SPENT and d.outcome is Outcome.BUDGET_SPENT
+    assert "--max-restarts=1" in s.note
+
+
+def test_newcomer_waits_while_a_round_runs_and_creates_pressure_when_there_is_room():
+    s = closed_round(("a", "b"))
+    s, d = run(s, view("c"))
+    assert "c" in s.waiting and d.outcome is Outcome.WAIT
+    count, why, reason = restart_pressure(s, "a", frozenset(), LIMITS, (s.generation, 1), False)
+    assert count == 1 and "c" in why and reason is Reason.MEMBERSHIP
+
+
+def test_newcomer_creates_no_pressure_when_the_round_is_full():
+    s = closed_round(("a", "b", "c"))
+    s, _ = run(s, view("d"))
+    assert restart_pressure(s, "a", frozenset(), LIMITS, (s.generation, 1), False)[0] == 0
+
+
+def test_dead_participant_newer_round_and_fault_report_each_create_pressure():
+    s = closed_round()
+    key = (s.generation, 1)
+    assert restart_pressure(s, "a", frozenset({"c"}), LIMITS, key, False)[:1] == (1,)
+    assert restart_pressure(s, "a", frozenset(), LIMITS, key, True)[2] is Reason.FAILURE
+    s2, _ = run(s, view("b", completed=key))
+    assert restart_pressure(s2, "a", frozenset(), LIMITS, key, False)[0] == 1
+    assert restart_pressure(s, "a", frozenset(), LIMITS, key, False)[0] == 0
+
+
+def test_open_round_drops_members_that_died_while_it_was_open():
+    s, _ = run(None, view("a"))
+    s, _ = run(s, view("b"))
+    s, _ = run(s, view("c", dead={"a"}))
+    assert list(s.members) == ["b", "c"]
+
+
+def test_a_stranger_finding_only_dead_nodes_starts_a_new_generation():
+    s = closed_round(restarts=1)
+    s2, d = run(s, view("z", dead={"a", "b", "c"}))
+    assert s2.generation == "gen-z" and s2.round == s.round + 1 and s2.restarts == 0
+    assert list(s2.members) == ["z"]
+
+
+def test_a_survivor_keeps_the_generation_when_its_peers_die():
+    s = closed_round()
+    s2, _ = run(s, view("a", completed=(s.generation, 1), dead={"b", "c"}))
+    assert s2.generation == s.generation and s2.phase is Phase.OPEN
+
+
+def test_a_full_open_round_puts_extra_nodes_in_waiting():
+    s = closed_round(("a", "b", "c"))
+    s, _ = run(s, view("a", completed=(s.generation, 1)))
+    for n in ("b", "c"):
+        s, _ = run(s, view(n, completed=(s.generation, 1)))
+    s = replace(s, phase=Phase.OPEN, order=(), members={k: s.members[k] for k in ("a", "b", "c")})
+    s, d = run(s, view("d"))
+    assert "d" in s.waiting and "d" not in s.members
+
+
+def test_closed_and_budget_spent_runs_end_the_rendezvous():
+    s = closed_round()
+    assert decide(replace(s, status=Status.CLOSED), view("a"), LIMITS).outcome is Outcome.CLOSED
+    assert decide(replace(s, status=Status.BUDGET_SPENT), view("a"), LIMITS).outcome is Outcome.BUDGET_SPENT
+
+
+def test_state_round_trips_through_json():
+    s = closed_round()
+    assert RunState.from_bytes(s.to_bytes()) == s
+
+
+@pytest.mark.parametrize("raw", [
+    b"garbage", b"{}", b'{"v": 1}', b"\x80\x04\x95", b'{"v": 99, "generation": "g"}',
+    b"[" * 100000,
+], ids=["garbage", "empty", "partial", "pickle", "future-version", "deep-nesting"])
+def test_anything_but_a_valid_state_is_corrupt_never_executed(raw):
+    with pytest.raises(CorruptStateError):
+        RunState.from_bytes(raw)
+
+
+def test_oversized_state_is_refused():
+    with pytest.raises(CorruptStateError, match="limit"):
+        RunState.from_bytes(b" " * (2 << 20))
