@@ -108,7 +108,8 @@ class RunState:
                 opened_because=Reason(doc["opened_because"]),
                 restarts=_int(doc["restarts"]), note=_text(doc.get("note", "")),
             )
-        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError,
+                RecursionError) as exc:
             raise CorruptStateError(f"the run's state key does not hold an etcd-ext state "
                                     f"({exc}); delete the key or use another --rdzv-id") from exc
         if state.phase is Phase.CLOSED and set(state.order) != set(state.members):
