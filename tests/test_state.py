@@ -192,3 +192,10 @@ def test_anything_but_a_valid_state_is_corrupt_never_executed(raw):
 def test_oversized_state_is_refused():
     with pytest.raises(CorruptStateError, match="limit"):
         RunState.from_bytes(b" " * (2 << 20))
+
+
+def test_a_lone_node_of_a_one_node_minimum_joins_the_round_it_closed():
+    limits = Limits(min_nodes=1, max_nodes=2, last_call=1.0, max_restarts=None)
+    s, d = run(None, view("a"), limits)
+    s, d = run(s, view("a", min_reached_for=1.0), limits)
+    assert s.phase is Phase.CLOSED and d.outcome is Outcome.JOINED and s.generation == "gen-a"

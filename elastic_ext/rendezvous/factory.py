@@ -8,6 +8,7 @@ import sys
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+from elastic_ext.logs import configure_for_torchrun
 from elastic_ext.rendezvous.backend import StoreBackend
 from elastic_ext.rendezvous.handler import EtcdExtRendezvousHandler
 from elastic_ext.rendezvous.settings import Settings, parse_settings
@@ -57,5 +58,6 @@ def create_backend(settings: Settings) -> StoreBackend:
 
 
 def create_handler(params: RendezvousParameters) -> EtcdExtRendezvousHandler:
+    configure_for_torchrun()
     settings = settings_from_params(params)
     return EtcdExtRendezvousHandler(settings, create_backend(settings))

@@ -200,8 +200,7 @@ def decide(state: RunState | None, view: View, limits: Limits) -> Decision:
         return Decision(Outcome.CLOSED, state)
     others = state.known_nodes() - {view.me}
     everyone_gone = others <= view.dead
-    if everyone_gone and _is_stranger(state, view) and not (
-            state.phase is Phase.OPEN and view.me in state.members):
+    if everyone_gone and _is_stranger(state, view) and view.me not in state.members:
         # Nobody of the old generation is alive: a new job (or a requeued one) starts over.
         return Decision(Outcome.WRITE, fresh_state(view, state.round + 1))
     if state.status is Status.BUDGET_SPENT:
