@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from support.processes import ProcessSet  # noqa: E402
+from elastic_ext.local.processes import ProcessSet  # noqa: E402
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def free_port() -> int:
 @pytest.fixture
 def etcd(processes: ProcessSet, tmp_path: Path):
     """One real etcd member on free loopback ports, with its own data directory."""
-    from support.etcd import etcd_available, start_cluster
+    from elastic_ext.local.etcd import etcd_available, start_cluster
 
     if not etcd_available():
         pytest.fail("etcd server binary not found: apt-get install -y etcd-server")
@@ -46,6 +46,6 @@ def etcd(processes: ProcessSet, tmp_path: Path):
 @pytest.fixture
 def etcd_cluster(processes: ProcessSet, tmp_path: Path):
     """A real 3-member etcd cluster on loopback."""
-    from support.etcd import start_cluster
+    from elastic_ext.local.etcd import start_cluster
 
     return start_cluster(processes, tmp_path, size=3)

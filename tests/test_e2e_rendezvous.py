@@ -9,7 +9,7 @@ import pytest
 
 from conftest import free_port
 from support.agents import ALLREDUCE_JOB, torchrun
-from support.processes import wait_until
+from elastic_ext.local.processes import wait_until
 
 pytestmark = pytest.mark.slow
 

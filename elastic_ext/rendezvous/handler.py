@@ -75,6 +75,7 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         self._keeper_started = False
         self._completed: tuple[str, int] | None = None
         self._min_reached_at: dict[tuple[str, int], float] = {}
+        self._last_written_note = ""
 
     # -- torch's contract ------------------------------------------------------------------
     def get_backend(self) -> str:
@@ -122,7 +123,7 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
                 raise RestartBudgetExhaustedError(message)
             if decision.outcome is Outcome.CLOSED:
                 raise RendezvousClosedError(f"etcd-ext run {self._settings.run_id} was closed")
-            if state is not None and state.note != last_note:
+            if state is not None and state.note not in (last_note, self._last_written_note):
                 last_note = state.note
                 logger.info("etcd-ext: %s", state.note)
             if time.monotonic() > deadline:
@@ -177,9 +178,9 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         new = decision.state
         assert new is not None
         result = self._backend.set_state(new.to_bytes(), token)
-        if result is not None and result[2]:
-            if new.note:
-                self._record(new.note)
+        if result is not None and result[2] and new.note != self._last_written_note:
+            self._last_written_note = new.note
+            self._record(new.note)
 
     def _min_reached_for(self, state: RunState | None) -> float | None:
         if state is None or state.phase is not Phase.OPEN:

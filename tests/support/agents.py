@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from support.processes import Proc, ProcessSet
+from elastic_ext.local.processes import Proc, ProcessSet
 
 SUPPORT = Path(__file__).parent
 ALLREDUCE_JOB = SUPPORT / "allreduce_job.py"

@@ -1,4 +1,4 @@
-"""Real etcd servers for tests: one member or a 3-member cluster, on free loopback ports."""
+"""Real etcd servers on loopback: one member or a cluster, on free ports, own data dirs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import requests
 
-from support.processes import Proc, ProcessSet, wait_until
+from elastic_ext.local.processes import Proc, ProcessSet, wait_until
 
 ETCD_BIN = shutil.which("etcd") or "/usr/bin/etcd"
 
