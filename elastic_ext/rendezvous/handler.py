@@ -146,8 +146,8 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         try:
             if isinstance(failure, ChildFailedError) and self._settings.max_restarts is not None:
                 self._update_status(Status.BUDGET_SPENT,
-                                    f"node {self._node} exhausted --max-restarts "
-                                    f"({self._settings.max_restarts}) and left")
+                                    f"restart budget spent: node {self._node} used up "
+                                    f"--max-restarts={self._settings.max_restarts} and left")
             self._keeper.stop()
             self._backend.leave(self._node)
             return True

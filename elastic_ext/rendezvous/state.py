@@ -276,7 +276,12 @@ def close_round(state: RunState, view: View, limits: Limits) -> RunState:
         return replace(state, status=Status.BUDGET_SPENT, restarts=restarts, waiting=waiting,
                        note=f"restart budget spent: {restarts} worker-failure restarts "
                             f"> --max-restarts={limits.max_restarts}")
-    what = "worker failure, restart charged" if charge else state.opened_because.value
+    if charge:
+        what = f"worker failure, restart {restarts} charged"
+    elif not state.previous:
+        what = "start"
+    else:
+        what = "membership changed"
     return replace(state, phase=Phase.CLOSED, order=order, restarts=restarts, waiting=waiting,
                    note=f"round {state.round} closed with {len(order)} nodes ({what})")
 

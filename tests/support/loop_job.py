@@ -19,6 +19,7 @@ from elastic_ext.control import report_peer_failure
 
 def main() -> None:
     metrics, steps, delay = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    crash_at = int(sys.argv[4]) if len(sys.argv) > 4 else 0  # group rank 1 crashes at this step
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -30,6 +31,8 @@ def main() -> None:
             if report_peer_failure(str(exc)):
                 threading.Event().wait(60)
             sys.exit(1)
+        if crash_at and step == crash_at and int(os.environ["GROUP_RANK"]) == 1:
+            os._exit(7)
         if rank == 0:
             with open(metrics, "a") as f:
                 f.write(json.dumps({"event": "step", "step": step, "world_size": world,

@@ -1,0 +1,161 @@
+"""A whole elastic job on this machine: a store, N torchrun nodes, and faults to inject."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elastic_ext.local.etcd import EtcdCluster, start_cluster
+from elastic_ext.local.processes import Proc, ProcessSet, wait_until
+
+STORES = ("etcd", "embedded", "stock-c10d")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to run: the store, the node range and each node's command after torchrun's flags."""
+
+    command: Sequence[str]
+    store: str = "etcd"  # etcd-ext on etcd, etcd-ext on its embedded store, or stock c10d
+    nnodes: str = "2:3"
+    nproc_per_node: int = 1
+    run_id: str = "local-job"
+    max_restarts: int = 3
+    rdzv_conf: str = ""
+    etcd_members: int = 1
+    extra_torchrun_args: Sequence[str] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.store not in STORES:
+            raise ValueError(f"store must be one of {', '.join(STORES)}, not {self.store!r}")
+
+
+@dataclass
+class Node:
+    name: str
+    proc: Proc
+
+    def kill(self) -> None:
+        """SIGKILL the agent and every worker: a machine that died."""
+        self.proc.kill()
+
+    def freeze(self) -> None:
+        """SIGSTOP the agent and every worker: a machine that hung."""
+        self.proc.send(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self.proc.send(signal.SIGCONT)
+
+    def alive(self) -> bool:
+        return self.proc.popen.poll() is None
+
+    def group_rank(self) -> int | None:
+        """The group rank torch's agent logged for its latest round."""
+        ranks = re.findall(r"group_rank=(\d+)", self.proc.output())
+        return int(ranks[-1]) if ranks else None
+
+
+class LocalJob:
+    def __init__(self, spec: JobSpec, workdir: Path) -> None:
+        self.spec = spec
+        self.workdir = workdir
+        self.processes = ProcessSet(workdir / "logs")
+        self.etcd: EtcdCluster | None = None
+        self.nodes: list[Node] = []
+        self._endpoint = ""
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self, nodes: int) -> LocalJob:
+        workdir = self.workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        if self.spec.store == "etcd":
+            self.etcd = start_cluster(self.processes, workdir, size=self.spec.etcd_members)
+            self._endpoint = self.etcd.endpoints
+        elif self.spec.store == "embedded":
+            self._endpoint = f"c10d://127.0.0.1:{free_port()}"
+        else:
+            self._endpoint = f"127.0.0.1:{free_port()}"
+        for _ in range(nodes):
+            self.add_node()
+        return self
+
+    def add_node(self) -> Node:
+        name = f"node{len(self.nodes)}"
+        spec = self.spec
+        backend = "c10d" if spec.store == "stock-c10d" else "etcd-ext"
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={spec.nnodes}",
+               f"--nproc-per-node={spec.nproc_per_node}", f"--rdzv-backend={backend}",
+               f"--rdzv-endpoint={self._endpoint}", f"--rdzv-id={spec.run_id}",
+               "--local-addr=127.0.0.1", f"--max-restarts={spec.max_restarts}",
+               "--monitor-interval=0.1", *spec.extra_torchrun_args]
+        if spec.rdzv_conf:
+            cmd.append(f"--rdzv-conf={spec.rdzv_conf}")
+        cmd += list(spec.command)
+        env = dict(os.environ)
+        env.update({"OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO", **spec.env})
+        node = Node(name, self.processes.spawn(name, cmd, env=env))
+        self.nodes.append(node)
+        return node
+
+    def rank0_node(self) -> Node:
+        for node in self.nodes:
+            if node.alive() and node.group_rank() == 0:
+                return node
+        raise LookupError("no live node reports group rank 0")
+
+    def other_node(self, than: Node) -> Node:
+        return next(n for n in self.nodes if n is not than and n.alive())
+
+    def wait(self, timeout: float) -> list[int]:
+        deadline = time.monotonic() + timeout
+        return [n.proc.wait(max(0.1, deadline - time.monotonic())) for n in self.nodes]
+
+    def cleanup(self) -> None:
+        self.processes.cleanup()
+
+    def __enter__(self) -> LocalJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """The trainer's metrics file; a half-written last line is skipped."""
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events
+
+
+def wait_for_step(metrics: Path, *, after: float, world_size: int, timeout: float,
+                  poll: float = 0.05) -> dict[str, Any]:
+    """The first ``step`` event logged after ``after`` (unix time) at ``world_size``."""
+    def found() -> dict[str, Any] | None:
+        for event in read_events(metrics):
+            if event.get("event") == "step" and event["time"] > after \
+                    and event["world_size"] == world_size:
+                return event
+        return None
+    return wait_until(found, timeout, poll, f"a step at world size {world_size}")  # type: ignore[return-value]
