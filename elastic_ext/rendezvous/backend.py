@@ -61,5 +61,10 @@ class StoreBackend(RendezvousBackend):
     def clone(self) -> StoreBackend:
         """Another connection to the same keys, for another thread."""
 
+    @property
+    def outages_are_transient(self) -> bool:
+        """Whether an unreachable store may come back (an etcd cluster) or is gone (its host died)."""
+        return True
+
     def close(self) -> None:
         """Release connections; the default has none to release."""

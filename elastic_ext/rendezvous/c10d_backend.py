@@ -63,6 +63,10 @@ class C10dBackend(StoreBackend):
     def name(self) -> str:
         return "c10d-embedded"
 
+    @property
+    def outages_are_transient(self) -> bool:
+        return False  # the store lives in one agent; when that agent dies it is gone
+
     def _call(self, op: str, *args: object) -> object:
         try:
             return getattr(self._store, op)(*args)

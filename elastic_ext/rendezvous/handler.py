@@ -103,14 +103,25 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         deadline = time.monotonic() + self._settings.timeouts.join
         last_note = ""
         while True:
-            state, token = self._read()
+            try:
+                state, token = self._read()
+            except StoreUnavailableError as exc:
+                if not self._backend.outages_are_transient or time.monotonic() > deadline:
+                    raise
+                logger.warning("etcd-ext: store unreachable, still trying until the join "
+                               "timeout: %s", exc)
+                continue
             view = View(me=self._node, my_info=my_info,
                         dead=self._keeper.dead_among(state.known_nodes()) if state else frozenset(),
                         completed=self._completed, min_reached_for=self._min_reached_for(state),
                         reenter_reason=reenter, fresh_generation=fresh_generation)
             decision = decide(state, view, self._limits)
             if decision.outcome is Outcome.WRITE:
-                self._write(decision, token)
+                try:
+                    self._write(decision, token)
+                except StoreUnavailableError:
+                    if not self._backend.outages_are_transient or time.monotonic() > deadline:
+                        raise
                 continue
             if decision.outcome is Outcome.JOINED:
                 return self._joined(decision.state)  # type: ignore[arg-type]

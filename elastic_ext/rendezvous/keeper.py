@@ -96,6 +96,12 @@ class Keeper:
         except Exception as exc:  # the store is down or slow: we see nothing, judge nothing
             with self._lock:
                 self._liveness.blind()
+                # Workers stuck on a dead peer cannot wait for the store to come back: let
+                # the agent take them into the rendezvous, which waits or fails clearly.
+                if self._round is not None and not self._pressure.count and \
+                        self._control.fault_reported(self._round[1]) is not None:
+                    self._pressure = Pressure(1, "a worker reported a peer fault while the "
+                                                 "store is unreachable", Reason.FAILURE)
             if self._failing_since is None:
                 self._failing_since = time.monotonic()
                 logger.warning("etcd-ext: store unreachable, heartbeats paused: %s", exc)
