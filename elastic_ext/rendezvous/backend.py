@@ -7,6 +7,7 @@ values carry a magic prefix so garbage in the key is reported, not parsed.
 
 from __future__ import annotations
 
+import time
 from abc import abstractmethod
 from collections.abc import Iterable
 
@@ -20,6 +21,15 @@ STATE_MAGIC = b"elastic-ext/1\n"
 
 def wrap_state(state: bytes) -> bytes:
     return STATE_MAGIC + state
+
+
+def parse_beat(value: bytes | None) -> tuple[int, float] | None:
+    """(counter, wall time) of a heartbeat value; None for a missing, left or odd value."""
+    try:
+        counter, stamp = (value or b"").decode().split(":")
+        return int(counter), float(stamp)
+    except ValueError:
+        return None
 
 
 def unwrap_state(raw: bytes) -> bytes:
@@ -41,9 +51,19 @@ class StoreBackend(RendezvousBackend):
     def set_state(self, state: bytes, token: Token | None = None
                   ) -> tuple[bytes, Token, bool] | None: ...
 
-    @abstractmethod
+    _beats: int = 0
+
     def beat(self, node: str) -> None:
-        """Advance ``node``'s heartbeat counter."""
+        """Advance ``node``'s heartbeat; the wall time in it is for operators, not for liveness."""
+        self._beats += 1
+        self._write_beat(node, f"{self._beats}:{time.time():.3f}".encode())
+
+    @abstractmethod
+    def _write_beat(self, node: str, value: bytes) -> None: ...
+
+    @abstractmethod
+    def remove_run(self) -> None:
+        """Delete every key of the run: the job is over and everybody has left."""
 
     @abstractmethod
     def leave(self, node: str) -> None:

@@ -21,6 +21,7 @@ from elastic_ext.rendezvous.backend import StoreBackend, unwrap_state, wrap_stat
 from elastic_ext.rendezvous.errors import StoreUnavailableError
 from elastic_ext.rendezvous.liveness import LEFT
 from elastic_ext.rendezvous.settings import Settings
+from elastic_ext.rendezvous.state import RunState
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +100,16 @@ class C10dBackend(StoreBackend):
             return None  # the key vanished; compare_set echoes the expected value
         return self._decode(result), result, False
 
-    def beat(self, node: str) -> None:
-        self._call("add", f"hb/{node}", 1)
+    def _write_beat(self, node: str, value: bytes) -> None:
+        self._call("set", f"hb/{node}", value)
+
+    def remove_run(self) -> None:
+        current = self.get_state()
+        nodes: set[str] = set()
+        if current is not None:
+            nodes = RunState.from_bytes(current[0]).known_nodes()
+        for key in [self._state_key, *(f"hb/{n}" for n in nodes)]:
+            self._call("delete_key", key)
 
     def leave(self, node: str) -> None:
         self._call("set", f"hb/{node}", LEFT)

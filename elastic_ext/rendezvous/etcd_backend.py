@@ -2,12 +2,14 @@
 
 Layout under ``<key_prefix>/<run_id>/``: ``state`` (the JSON state, written by
 compare-and-swap on ``mod_revision``, create-if-absent the first time),
-``hb/<node>`` (heartbeat counters), ``store/<generation>/<round>/`` (the round's
+``hb/<node>`` (heartbeat counters, on each agent's lease so they expire), ``store/<generation>/<round>/`` (the round's
 c10d store for torch's agent).
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Iterable
 from datetime import timedelta
 
@@ -15,6 +17,7 @@ from torch.distributed import Store
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import Token
 
 from elastic_ext.rendezvous.backend import StoreBackend, unwrap_state, wrap_state
+from elastic_ext.rendezvous.errors import StoreUnavailableError
 from elastic_ext.rendezvous.etcd_client import EtcdClient
 from elastic_ext.rendezvous.etcd_store import EtcdV3Store
 from elastic_ext.rendezvous.liveness import LEFT
@@ -26,7 +29,9 @@ class EtcdBackend(StoreBackend):
         self._settings = settings
         self._client = client or EtcdClient(settings)
         self._prefix = settings.run_prefix
-        self._beats = 0
+        self._lease: int | None = None
+        self._lease_refreshed = 0.0
+        self._lease_ttl = max(10, math.ceil(4 * settings.timeouts.heartbeat))
 
     @property
     def name(self) -> str:
@@ -61,9 +66,25 @@ class EtcdBackend(StoreBackend):
             return None
         return unwrap_state(kv.value), kv.mod_revision, False
 
-    def beat(self, node: str) -> None:
-        self._beats += 1
-        self._client.put(f"{self._prefix}hb/{node}", str(self._beats).encode())
+    def _write_beat(self, node: str, value: bytes) -> None:
+        # Heartbeat keys hang on this agent's lease, so a dead agent's key disappears.
+        now = time.monotonic()
+        if self._lease is None:
+            self._lease = self._client.lease_grant(self._lease_ttl)
+            self._lease_refreshed = now
+        elif now - self._lease_refreshed > self._lease_ttl / 3:
+            self._client.lease_keepalive(self._lease)
+            self._lease_refreshed = now
+        try:
+            self._client.put(f"{self._prefix}hb/{node}", value, lease=self._lease)
+        except StoreUnavailableError as exc:
+            if "lease not found" not in str(exc):
+                raise
+            self._lease = None  # expired while etcd was out of reach: take a new one
+            self._write_beat(node, value)
+
+    def remove_run(self) -> None:
+        self._client.delete_prefix(self._prefix)
 
     def leave(self, node: str) -> None:
         self._client.put(f"{self._prefix}hb/{node}", LEFT)

@@ -27,6 +27,7 @@ from elastic_ext.plugin import BACKEND_NAME
 from elastic_ext.rendezvous.backend import StoreBackend
 from elastic_ext.rendezvous.errors import RestartBudgetExhaustedError, StoreUnavailableError
 from elastic_ext.rendezvous.keeper import Keeper
+from elastic_ext.rendezvous.liveness import LEFT
 from elastic_ext.rendezvous.settings import Settings
 from elastic_ext.rendezvous.state import (
     Decision,
@@ -161,6 +162,8 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
                                     f"--max-restarts={self._settings.max_restarts} and left")
             self._keeper.stop()
             self._backend.leave(self._node)
+            self._record(f"node {self._node} left", NodeState.SUCCEEDED)
+            self._remove_run_if_everyone_left()
             return True
         except Exception as exc:  # leaving is best effort: the heartbeat expires anyway
             logger.warning("etcd-ext: could not announce our exit: %s", exc)
@@ -170,6 +173,22 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
             self._backend.close()
 
     # -- internals ---------------------------------------------------------------------------
+    def _remove_run_if_everyone_left(self) -> None:
+        """The last agent to leave removes the run's keys, so a finished job leaves nothing.
+
+        Each agent marks itself left before it looks, so of agents leaving together the
+        last one sees all the others gone. A crashed job's keys stay until a new job
+        with the same run id finds every node dead and starts a new generation.
+        """
+        state, _ = self._read()
+        if state is None:
+            return
+        others = sorted(state.known_nodes() - {self._node})
+        beats = self._backend.read_beats(others)
+        if all(value is None or value == LEFT for value in beats.values()):
+            self._backend.remove_run()
+            logger.info("etcd-ext: last node out; removed the keys of run %s", self._settings.run_id)
+
     def _start_keeper(self) -> None:
         if self._keeper_started:
             return

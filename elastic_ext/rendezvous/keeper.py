@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from elastic_ext.control import AgentControl
 from elastic_ext.rendezvous.backend import StoreBackend
 from elastic_ext.rendezvous.errors import CorruptStateError
-from elastic_ext.rendezvous.liveness import Liveness
+from elastic_ext.rendezvous.liveness import LEFT, Liveness
 from elastic_ext.rendezvous.state import Limits, Reason, RunState, restart_pressure
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,9 @@ class Keeper:
                 self._liveness.forget(nodes)
             dead = self._liveness.dead_among(nodes)
             for node in sorted(dead - self._reported_dead):
-                self._on_event(f"node {node} declared dead (no heartbeat change)")
+                left = beats.get(node) == LEFT
+                self._on_event(f"node {node} left" if left else
+                               f"node {node} declared dead (no heartbeat change)")
             self._reported_dead |= dead
             if self._round is None or state is None:
                 return

@@ -33,8 +33,10 @@ CONF_KEYS: dict[str, tuple[str, str]] = {
     "heartbeat_interval": ("0.5", "seconds between an agent's heartbeats"),
     "heartbeat_timeout": ("3.0", "a node whose heartbeat has not changed for this long is dead"),
     "request_timeout": ("2.0", "seconds one etcd request may take before the next endpoint is tried"),
-    "connect_timeout": ("15", "seconds a store operation keeps retrying across endpoints "
-                              "before the agent fails with the endpoints named"),
+    "connect_timeout": ("15", "seconds one store operation keeps retrying across endpoints; "
+                              "an agent that cannot reach etcd at start, or loses the embedded "
+                              "store, fails after this with the endpoints named (inside a "
+                              "rendezvous an etcd outage is waited out until `join_timeout`)"),
     "max_restarts": ("torchrun's `--max-restarts`", "job-wide budget of worker-failure restarts, "
                                                     "kept in the store; membership changes are free"),
     "cacert": ("", "CA bundle that signed etcd's server certificate (turns on https)"),

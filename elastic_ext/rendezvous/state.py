@@ -65,6 +65,7 @@ class RunState:
     previous: tuple[str, ...] = ()  # open: the last closed round's order
     opened_because: Reason = Reason.START
     restarts: int = 0
+    max_restarts: int | None = None  # the job's budget, fixed when its generation starts
     status: Status = Status.ACTIVE
     note: str = ""
 
@@ -86,7 +87,7 @@ class RunState:
             "order": list(self.order),
             "waiting": {k: v.to_json() for k, v in self.waiting.items()},
             "previous": list(self.previous), "opened_because": self.opened_because.value,
-            "restarts": self.restarts, "note": self.note,
+            "restarts": self.restarts, "max_restarts": self.max_restarts, "note": self.note,
         }
         return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -107,6 +108,7 @@ class RunState:
                 previous=tuple(_text(n) for n in doc["previous"]),
                 opened_because=Reason(doc["opened_because"]),
                 restarts=_int(doc["restarts"]), note=_text(doc.get("note", "")),
+                max_restarts=None if doc.get("max_restarts") is None else _int(doc["max_restarts"]),
             )
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError,
                 RecursionError) as exc:
@@ -177,10 +179,10 @@ class Decision:
     state: RunState | None = None
 
 
-def fresh_state(view: View, round_: int) -> RunState:
+def fresh_state(view: View, round_: int, limits: Limits) -> RunState:
     return RunState(generation=view.fresh_generation, round=round_, phase=Phase.OPEN,
                     members={view.me: view.my_info}, opened_because=Reason.START,
-                    note=f"generation started by {view.me}")
+                    max_restarts=limits.max_restarts, note=f"generation started by {view.me}")
 
 
 def _without(nodes: Mapping[str, NodeInfo], drop: Iterable[str]) -> dict[str, NodeInfo]:
@@ -195,14 +197,14 @@ def _is_stranger(state: RunState, view: View) -> bool:
 def decide(state: RunState | None, view: View, limits: Limits) -> Decision:
     """One step of the rendezvous for ``view.me``. Pure: no I/O, no clocks."""
     if state is None:
-        return Decision(Outcome.WRITE, fresh_state(view, 1))
+        return Decision(Outcome.WRITE, fresh_state(view, 1, limits))
     if state.status is Status.CLOSED:
         return Decision(Outcome.CLOSED, state)
     others = state.known_nodes() - {view.me}
     everyone_gone = others <= view.dead
     if everyone_gone and _is_stranger(state, view) and view.me not in state.members:
         # Nobody of the old generation is alive: a new job (or a requeued one) starts over.
-        return Decision(Outcome.WRITE, fresh_state(view, state.round + 1))
+        return Decision(Outcome.WRITE, fresh_state(view, state.round + 1, limits))
     if state.status is Status.BUDGET_SPENT:
         return Decision(Outcome.BUDGET_SPENT, state)
     if state.phase is Phase.CLOSED:
@@ -247,7 +249,7 @@ def _decide_open(state: RunState, view: View, limits: Limits) -> Decision:
                 state, waiting={**state.waiting, view.me: view.my_info}))
         return Decision(Outcome.WAIT)
     if should_close(state, view, limits):
-        return Decision(Outcome.WRITE, close_round(state, view, limits))
+        return Decision(Outcome.WRITE, close_round(state, view))
     return Decision(Outcome.WAIT)
 
 
@@ -265,17 +267,17 @@ def should_close(state: RunState, view: View, limits: Limits) -> bool:
     return not expected
 
 
-def close_round(state: RunState, view: View, limits: Limits) -> RunState:
+def close_round(state: RunState, view: View) -> RunState:
     kept = [n for n in state.previous if n in state.members]
     order = tuple(kept + [n for n in state.members if n not in kept])
     unchanged = bool(state.previous) and set(order) == set(state.previous)
     charge = int(unchanged and state.opened_because is not Reason.MEMBERSHIP)
     restarts = state.restarts + charge
     waiting = _without(state.waiting, set(order) | view.dead)
-    if limits.max_restarts is not None and restarts > limits.max_restarts:
+    if state.max_restarts is not None and restarts > state.max_restarts:
         return replace(state, status=Status.BUDGET_SPENT, restarts=restarts, waiting=waiting,
                        note=f"restart budget spent: {restarts} worker-failure restarts "
-                            f"> --max-restarts={limits.max_restarts}")
+                            f"> --max-restarts={state.max_restarts}")
     if charge:
         what = f"worker failure, restart {restarts} charged"
     elif not state.previous:

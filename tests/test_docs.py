@@ -1,0 +1,20 @@
+"""The README documents every --rdzv-conf key, with its default, as the code has them."""
+
+import re
+from pathlib import Path
+
+from elastic_ext.rendezvous.settings import CONF_KEYS
+
+README = (Path(__file__).parent.parent / "README.md").read_text()
+
+
+def test_every_conf_key_is_in_the_readme_table_with_its_default():
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", README, flags=re.M))
+    for key, (default, _meaning) in CONF_KEYS.items():
+        assert key in rows, f"README's configuration table lacks {key}"
+        assert rows[key].strip() == (default or "—"), f"README's default for {key}"
+
+
+def test_readme_has_exactly_the_two_setup_commands_it_promises():
+    assert "torchrun --nnodes=1:2 --nproc-per-node=2 --rdzv-backend=etcd-ext" in README
+    assert "\nbash tests/run.sh\n" in README
