@@ -5,14 +5,23 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import requests
 
 from elastic_ext.local.processes import Proc, ProcessSet, wait_until
 
 ETCD_BIN = shutil.which("etcd") or "/usr/bin/etcd"
+
+T = TypeVar("T")
+
+
+def call_here(fn: Callable[[], T]) -> T:
+    """Run ``fn`` in this process's network namespace (the default for ``EtcdCluster.call``)."""
+    return fn()
 
 
 def _free_ports(n: int) -> list[int]:
@@ -35,18 +44,20 @@ class EtcdMember:
     extra_args: list[str] = field(default_factory=list)
     scheme: str = "http"
     proc: Proc | None = None
+    host: str = "127.0.0.1"
+    prefix: Sequence[str] = ()  # a command prefix that places the member, e.g. ``ip netns exec NS``
 
     @property
     def client_url(self) -> str:
-        return f"{self.scheme}://127.0.0.1:{self.client_port}"
+        return f"{self.scheme}://{self.host}:{self.client_port}"
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
-        return f"http://127.0.0.1:{self.peer_port}"
+        return f"http://{self.host}:{self.peer_port}"
 
 
 @dataclass
@@ -54,14 +65,18 @@ class EtcdCluster:
     processes: ProcessSet
     members: list[EtcdMember]
     session: requests.Session = field(default_factory=requests.Session)
+    # Runs the cluster's own HTTP probes; a member in another network namespace needs
+    # them run inside it (see elastic_ext.chaos.netns).
+    call: Callable[[Callable[[], Any]], Any] = call_here
 
     @property
     def endpoints(self) -> str:
         return ",".join(m.endpoint for m in self.members)
 
     def start_member(self, member: EtcdMember, new: bool = True) -> None:
+        """Start (or start again: etcd then ignores the initial-cluster flags) on the member's data dir."""
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
-        cmd = [ETCD_BIN, "--name", member.name, "--data-dir", str(member.data_dir),
+        cmd = [*member.prefix, ETCD_BIN, "--name", member.name, "--data-dir", str(member.data_dir),
                "--listen-client-urls", member.client_url, "--advertise-client-urls", member.client_url,
                "--listen-peer-urls", member.peer_url, "--initial-advertise-peer-urls", member.peer_url,
                "--initial-cluster", initial, "--initial-cluster-token", f"tok-{self.members[0].client_port}",
@@ -73,7 +88,8 @@ class EtcdCluster:
             if member.proc is not None and member.proc.popen.poll() is not None:
                 raise RuntimeError(f"etcd {member.name} exited:\n{member.proc.output()[-3000:]}")
             try:
-                r = self.session.get(f"http://127.0.0.1:{member.client_port}/health", timeout=1)
+                r = self.call(lambda: self.session.get(f"http://{member.host}:{member.client_port}/health",
+                                                       timeout=1))
                 return r.ok and r.json().get("health") == "true"
             except (requests.RequestException, ValueError):
                 return False
@@ -85,7 +101,8 @@ class EtcdCluster:
     def leader(self) -> EtcdMember:
         for m in self.members:
             try:
-                status = self.session.post(f"{m.client_url}/v3/maintenance/status", json={}, timeout=1).json()
+                status = self.call(lambda m=m: self.session.post(f"{m.client_url}/v3/maintenance/status",
+                                                                 json={}, timeout=1).json())
             except (requests.RequestException, ValueError):
                 continue
             if status.get("leader") and status["leader"] == status["header"]["member_id"]:
@@ -105,11 +122,14 @@ def _port_open(port: int) -> bool:
 
 
 def start_cluster(processes: ProcessSet, base_dir: Path, size: int = 1,
-                  extra_args: list[str] | None = None, scheme: str = "http") -> EtcdCluster:
+                  extra_args: list[str] | None = None, scheme: str = "http", host: str = "127.0.0.1",
+                  prefix: Sequence[str] = (),
+                  call: Callable[[Callable[[], Any]], Any] = call_here) -> EtcdCluster:
     ports = _free_ports(2 * size)
     members = [EtcdMember(f"m{i}", ports[2 * i], ports[2 * i + 1], base_dir / f"etcd-m{i}",
-                          list(extra_args or []), scheme) for i in range(size)]
-    cluster = EtcdCluster(processes, members)
+                          list(extra_args or []), scheme, host=host, prefix=tuple(prefix))
+               for i in range(size)]
+    cluster = EtcdCluster(processes, members, call=call)
     for m in members:
         cluster.start_member(m)
     for m in members:

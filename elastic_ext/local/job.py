@@ -9,12 +9,12 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastic_ext.local.etcd import EtcdCluster, start_cluster
+from elastic_ext.local.etcd import EtcdCluster, call_here, start_cluster
 from elastic_ext.local.processes import Proc, ProcessSet, wait_until
 
 STORES = ("etcd", "embedded", "stock-c10d")
@@ -46,10 +46,23 @@ class JobSpec:
             raise ValueError(f"store must be one of {', '.join(STORES)}, not {self.store!r}")
 
 
+@dataclass(frozen=True)
+class Host:
+    """Where a process runs: its address and the command prefix that puts it there.
+
+    Loopback by default; the chaos harness gives each node a network namespace of
+    its own (prefix ``ip netns exec NS``) so that one node can be cut off.
+    """
+
+    address: str = "127.0.0.1"
+    prefix: tuple[str, ...] = ()
+
+
 @dataclass
 class Node:
     name: str
     proc: Proc
+    host: Host = field(default_factory=Host)
 
     def kill(self) -> None:
         """SIGKILL the agent and every worker: a machine that died."""
@@ -65,6 +78,11 @@ class Node:
     def alive(self) -> bool:
         return self.proc.popen.poll() is None
 
+    def worker_pids(self) -> list[int]:
+        """The agent's live worker processes (its children; each runs in a session of its own)."""
+        agent = self.proc.pid
+        return [pid for pid in self.proc.pids() if pid != agent and _parent(pid) == agent]
+
     def group_rank(self) -> int | None:
         """The group rank torch's agent logged for its latest round."""
         ranks = re.findall(r"group_rank=(\d+)", self.proc.output())
@@ -72,44 +90,54 @@ class Node:
 
 
 class LocalJob:
-    def __init__(self, spec: JobSpec, workdir: Path) -> None:
+    def __init__(self, spec: JobSpec, workdir: Path, *, node_host: Callable[[int], Host] | None = None,
+                 store_host: Host | None = None,
+                 store_call: Callable[[Callable[[], Any]], Any] = call_here) -> None:
+        """``node_host(i)`` places the i-th node, ``store_host`` etcd or the embedded store
+        (``store_call`` runs the harness's own probes of etcd where etcd can be reached)."""
         self.spec = spec
         self.workdir = workdir
         self.processes = ProcessSet(workdir / "logs")
         self.etcd: EtcdCluster | None = None
         self.nodes: list[Node] = []
         self._endpoint = ""
+        self._node_host = node_host or (lambda index: Host())
+        self._store_host = store_host or Host()
+        self._store_call = store_call
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, nodes: int) -> LocalJob:
         workdir = self.workdir
         workdir.mkdir(parents=True, exist_ok=True)
+        store = self._store_host
         if self.spec.store == "etcd":
-            self.etcd = start_cluster(self.processes, workdir, size=self.spec.etcd_members)
+            self.etcd = start_cluster(self.processes, workdir, size=self.spec.etcd_members,
+                                      host=store.address, prefix=store.prefix, call=self._store_call)
             self._endpoint = self.etcd.endpoints
         elif self.spec.store == "embedded":
-            self._endpoint = f"c10d://127.0.0.1:{free_port()}"
+            self._endpoint = f"c10d://{store.address}:{free_port()}"
         else:
-            self._endpoint = f"127.0.0.1:{free_port()}"
+            self._endpoint = f"{store.address}:{free_port()}"
         for _ in range(nodes):
             self.add_node()
         return self
 
     def add_node(self) -> Node:
         name = f"node{len(self.nodes)}"
+        host = self._node_host(len(self.nodes))
         spec = self.spec
         backend = "c10d" if spec.store == "stock-c10d" else "etcd-ext"
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={spec.nnodes}",
+        cmd = [*host.prefix, sys.executable, "-m", "torch.distributed.run", f"--nnodes={spec.nnodes}",
                f"--nproc-per-node={spec.nproc_per_node}", f"--rdzv-backend={backend}",
                f"--rdzv-endpoint={self._endpoint}", f"--rdzv-id={spec.run_id}",
-               "--local-addr=127.0.0.1", f"--max-restarts={spec.max_restarts}",
+               f"--local-addr={host.address}", f"--max-restarts={spec.max_restarts}",
                "--monitor-interval=0.1", *spec.extra_torchrun_args]
         if spec.rdzv_conf:
             cmd.append(f"--rdzv-conf={spec.rdzv_conf}")
         cmd += list(spec.command)
         env = dict(os.environ)
         env.update({"OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO", **spec.env})
-        node = Node(name, self.processes.spawn(name, cmd, env=env))
+        node = Node(name, self.processes.spawn(name, cmd, env=env), host)
         self.nodes.append(node)
         return node
 
@@ -134,6 +162,15 @@ class LocalJob:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
+
+
+def _parent(pid: int) -> int | None:
+    """The parent pid from ``/proc/PID/stat`` (None once the process is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

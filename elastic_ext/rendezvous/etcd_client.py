@@ -122,6 +122,11 @@ class EtcdClient:
             if "etcdserver: request timed out" in detail or "leader changed" in detail \
                     or "no leader" in detail:
                 raise _Transient(f"{endpoint}: {detail}") from exc
+            if "404 page not found" in detail:
+                raise StoreUnavailableError(
+                    f"etcd at {endpoint} does not serve the v3 API's HTTP gateway ({path}: 404). "
+                    "etcd-ext needs etcd >= 3.4 with its gRPC gateway enabled (the default; "
+                    "check for --enable-grpc-gateway=false)") from exc
             raise StoreUnavailableError(f"etcd at {endpoint} answered {detail.strip()}") from exc
         except requests.exceptions.SSLError as exc:
             raise StoreAuthError(f"TLS handshake with etcd at {endpoint} failed ({exc}); check "

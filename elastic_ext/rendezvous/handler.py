@@ -98,6 +98,9 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         self._start_keeper()
         reenter = self._keeper.pressure.reason if self._completed else Reason.START
+        if self._completed:
+            why = self._keeper.pressure.why or "this node's workers failed"
+            self._record(f"restart after round {self._completed[1]}: {why}")
         self._keeper.watch_round(None)
         my_info = NodeInfo(self._addr, free_port(self._addr))
         fresh_generation = uuid.uuid4().hex[:12]

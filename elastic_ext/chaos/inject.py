@@ -1,0 +1,232 @@
+"""Doing a scenario's actions to a running :class:`~elastic_ext.local.job.LocalJob`.
+
+Each action returns the :class:`FaultRecord` that goes into the timeline and, for
+a fault with a duration, the :class:`Undo` that ends it. Targets are resolved
+when the fault fires, from what the agents logged: ``rank0`` is the node whose
+agent last reported group rank 0, ``other`` a live node that is neither that one
+nor the embedded store's host nor already frozen or cut off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import re
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from elastic_ext.chaos.invariants import FaultRecord
+from elastic_ext.chaos.netns import NetnsLab
+from elastic_ext.chaos.scenario import Action, Fault
+from elastic_ext.local.etcd import EtcdMember
+from elastic_ext.local.job import LocalJob, Node
+
+logger = logging.getLogger(__name__)
+
+FILLER = ".chaos-fill"
+_STORE_HOST_LINE = re.compile(r"hosts the embedded etcd-ext store")
+
+
+class InjectionError(RuntimeError):
+    """The action cannot be done now (no such node, no etcd leader, ...)."""
+
+
+@dataclass(frozen=True)
+class Undo:
+    """Ends a fault that has a duration: due at ``due`` (unix time)."""
+
+    due: float
+    description: str
+    verb: str
+    run: Callable[[], str]  # returns a detail for the record
+
+
+class Injector:
+    """Resolves targets and injects faults; remembers what it did for the invariants."""
+
+    def __init__(self, job: LocalJob, *, initial_nodes: int, snapshot_dir: Path,
+                 lab: NetnsLab | None = None) -> None:
+        self.job = job
+        self.initial_nodes = initial_nodes
+        self.snapshot_dir = snapshot_dir
+        self.lab = lab
+        self.killed: set[str] = set()     # nodes SIGKILLed whole: their exit status says nothing
+        self.impaired: set[str] = set()   # frozen or cut off right now
+
+    # -- targets ---------------------------------------------------------------------------
+    def _live(self) -> list[Node]:
+        return [n for n in self.job.nodes if n.alive() and n.name not in self.killed]
+
+    def _store_host(self) -> Node | None:
+        if self.job.spec.store != "embedded":
+            return None
+        return next((n for n in self.job.nodes if _STORE_HOST_LINE.search(n.proc.output())), None)
+
+    def nodes(self, target: str) -> list[Node]:
+        live = self._live()
+        if target == "all":
+            if not live:
+                raise InjectionError("no live node")
+            return live
+        if target.isdigit():
+            index = int(target)
+            if index >= len(self.job.nodes) or self.job.nodes[index] not in live:
+                raise InjectionError(f"node {index} is not running")
+            return [self.job.nodes[index]]
+        rank0 = next((n for n in live if n.group_rank() == 0), None)
+        if target == "rank0":
+            if rank0 is None:
+                raise InjectionError("no live node reports group rank 0")
+            return [rank0]
+        host = self._store_host()
+        for node in live:
+            if node is not rank0 and node is not host and node.name not in self.impaired:
+                return [node]
+        raise InjectionError("no live node other than rank 0 and the store host")
+
+    @staticmethod
+    def _describe(nodes: list[Node]) -> str:
+        return ", ".join(f"{n.name} (group rank {n.group_rank()})" for n in nodes)
+
+    # -- actions ---------------------------------------------------------------------------
+    def inject(self, fault: Fault) -> tuple[FaultRecord, Undo | None]:
+        action = fault.action
+        handler = getattr(self, "_" + action.verb.replace("-", "_"))
+        detail, undo = handler(action)
+        record = FaultRecord(time.time(), action.describe(), action.verb, crash=action.crash, detail=detail)
+        logger.info("fault: %s (%s)", record.description, detail)
+        return record, undo
+
+    def _kill_worker(self, action: Action) -> tuple[str, Undo | None]:
+        node = self.nodes(action.target)[0]
+        workers = sorted(node.worker_pids())
+        if not workers:
+            raise InjectionError(f"{node.name} has no worker running")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(workers[0], signal.SIGKILL)
+        return f"worker pid {workers[0]} of {self._describe([node])}", None
+
+    def _kill_node(self, action: Action) -> tuple[str, Undo | None]:
+        nodes = self.nodes(action.target)
+        detail = self._describe(nodes)
+        for node in nodes:
+            self.killed.add(node.name)
+            node.kill()
+        return detail, None
+
+    def _freeze(self, action: Action) -> tuple[str, Undo | None]:
+        node = self.nodes(action.target)[0]
+        detail = self._describe([node])
+        node.freeze()
+        self.impaired.add(node.name)
+
+        def thaw() -> str:
+            node.thaw()
+            self.impaired.discard(node.name)
+            return node.name
+        assert action.duration is not None
+        return detail, Undo(time.time() + action.duration, f"thaw {node.name}", "thaw", thaw)
+
+    def _partition(self, action: Action) -> tuple[str, Undo | None]:
+        if self.lab is None:
+            raise InjectionError("partition needs the nodes in network namespaces")
+        lab = self.lab
+        node = self.nodes(action.target)[0]
+        index = self.job.nodes.index(node)
+        detail = f"{self._describe([node])} at {node.host.address}"
+        lab.cut(index)
+        self.impaired.add(node.name)
+
+        def heal() -> str:
+            lab.heal(index)
+            self.impaired.discard(node.name)
+            return node.name
+        assert action.duration is not None
+        return detail, Undo(time.time() + action.duration, f"heal {node.name}", "heal", heal)
+
+    def _preempt(self, action: Action) -> tuple[str, Undo | None]:
+        signalled = []
+        for node in self.nodes("all"):
+            for pid in node.worker_pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR2)
+                    signalled.append(pid)
+        if not signalled:
+            raise InjectionError("no worker to preempt")
+        return f"SIGUSR2 to {len(signalled)} worker(s)", None
+
+    def _start_node(self, action: Action) -> tuple[str, Undo | None]:
+        started = [self.job.add_node().name for _ in range(action.count)]
+        return ", ".join(started), None
+
+    def _start_all(self, action: Action) -> tuple[str, Undo | None]:
+        started = [self.job.add_node().name for _ in range(self.initial_nodes)]
+        return ", ".join(started), None
+
+    def _kill_etcd(self, action: Action) -> tuple[str, Undo | None]:
+        cluster = self.job.etcd
+        if cluster is None:
+            raise InjectionError("this job has no etcd")
+        running = [m for m in cluster.members if m.proc is not None and m.proc.popen.poll() is None]
+        if action.target == "all":
+            victims = running
+        else:
+            try:
+                leader = cluster.leader()
+            except RuntimeError as exc:
+                raise InjectionError(str(exc)) from None
+            if action.target == "leader":
+                victims = [leader]
+            else:
+                victims = [m for m in running if m is not leader][:1]
+        if not victims:
+            raise InjectionError(f"no etcd {action.target} running")
+        for member in victims:
+            cluster.stop_member(member)
+        names = ", ".join(m.name for m in victims)
+        if action.duration is None:
+            return names, None
+
+        def restart(members: list[EtcdMember] = victims) -> str:
+            for member in members:
+                cluster.start_member(member)
+            for member in members:
+                cluster.wait_healthy(member)
+            return ", ".join(m.name for m in members) + " back on their data directories"
+        return names, Undo(time.time() + action.duration, f"start etcd {names} again", "etcd-back", restart)
+
+    def _fill_disk(self, action: Action) -> tuple[str, Undo | None]:
+        filler = self.snapshot_dir / FILLER
+        written = fill(filler)
+        detail = f"{written >> 10} KiB filler in {self.snapshot_dir}"
+        if action.duration is None:
+            return detail, None
+
+        def free() -> str:
+            filler.unlink(missing_ok=True)
+            return f"removed {filler.name}"
+        return detail, Undo(time.time() + action.duration, "free disk", "free-disk", free)
+
+
+def fill(path: Path, chunk: int = 1 << 20) -> int:
+    """Write ``path`` until its filesystem is full; returns the bytes written."""
+    written = 0
+    block = b"\0" * chunk
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        size = chunk
+        while size >= 512:
+            try:
+                written += os.write(fd, block[:size])
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                size //= 2
+    finally:
+        os.close(fd)
+    return written
