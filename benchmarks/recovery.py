@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from elastic_ext.local.job import JobSpec, LocalJob, read_events, wait_for_step
+from elastic_ext.local.job import JobSpec, LocalJob, wait_for_step
 
 SCENARIOS = ("dead", "dead-rank0", "hung", "scale-up")
 

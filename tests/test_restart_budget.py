@@ -5,8 +5,6 @@ Worker crashes spend it; membership changes (a node dies, a node joins) do not.
 
 from __future__ import annotations
 
-import json
-import sys
 
 import pytest
 

@@ -6,7 +6,7 @@ import pytest
 
 from elastic_ext.rendezvous.errors import CorruptStateError
 from elastic_ext.rendezvous.state import (
-    Decision, Limits, NodeInfo, Outcome, Phase, Reason, RunState, Status, View, decide,
+    Limits, NodeInfo, Outcome, Phase, Reason, RunState, Status, View, decide,
     restart_pressure,
 )
 

@@ -32,7 +32,7 @@ that neither hosts rank 0 nor the embedded store — or ``all``):
 - ``partition node TARGET for D``: take the node's network link down, up after D
   (the nodes then run in network namespaces);
 - ``preempt all``: SIGUSR2 to every worker, as SLURM's ``--signal=USR2@N`` does;
-- ``start node [N]`` / ``start all``: start N new nodes / as many as ``nodes``;
+- ``start node`` / ``start N nodes`` / ``start all``: start 1 / N new nodes / as many as ``nodes``;
 - ``kill etcd leader|follower|all [for D]``: SIGKILL etcd member(s); with ``for``,
   start them again on the same data directory after D;
 - ``fill disk [for D]``: fill the snapshot directory (a small tmpfs) to ENOSPC; free
@@ -206,7 +206,8 @@ class Action:
         words = {
             "kill-worker": f"kill worker {self.target}", "kill-node": f"kill node {self.target}",
             "freeze": f"freeze node {self.target}", "partition": f"partition node {self.target}",
-            "preempt": "preempt all", "start-node": f"start node {self.count}",
+            "preempt": "preempt all",
+            "start-node": "start node" if self.count == 1 else f"start {self.count} nodes",
             "start-all": "start all", "kill-etcd": f"kill etcd {self.target}", "fill-disk": "fill disk",
         }[self.verb]
         return words + (f" for {self.duration:g}s" if self.duration is not None else "")
@@ -267,7 +268,8 @@ _ACTIONS: list[tuple[re.Pattern[str], Callable[[re.Match[str]], Action]]] = [
     (re.compile(rf"partition node {_NODE_TARGET} for {_DURATION}"),
      lambda m: Action("partition", m.group(1), duration=float(m.group(2)))),
     (re.compile(r"preempt all"), lambda m: Action("preempt", "all")),
-    (re.compile(r"start node(?: (\d+))?"), lambda m: Action("start-node", count=int(m.group(1) or 1))),
+    (re.compile(r"start node"), lambda m: Action("start-node")),
+    (re.compile(r"start (\d+) nodes?"), lambda m: Action("start-node", count=_positive_int(m.group(1)))),
     (re.compile(r"start all"), lambda m: Action("start-all")),
     (re.compile(rf"kill etcd (leader|follower|all){_FOR}"),
      lambda m: Action("kill-etcd", m.group(1), duration=_opt_float(m.group(2)))),
@@ -313,10 +315,10 @@ def parse(text: str, name: str = "scenario") -> Scenario:
             action = _match(_ACTIONS, what)
             if action is None:
                 raise ScenarioError(f"unknown action {what!r} (kill worker|node T, freeze|partition "
-                                    "node T for Ds, preempt all, start node [N], start all, "
+                                    "node T for Ds, preempt all, start node, start N nodes, start all, "
                                     "kill etcd leader|follower|all [for Ds], fill disk [for Ds])")
             faults.append(Fault(trigger, action, number))
-        except ScenarioError as exc:
+        except ValueError as exc:  # ScenarioError, or a number out of range
             raise ScenarioError(f"{name} line {number}: {raw.strip()!r}: {exc}") from None
     _validate(settings, faults, name)
     return Scenario(name, settings, tuple(faults), text)
