@@ -18,4 +18,4 @@ fi
 python3 -m pip install -q --disable-pip-version-check "torch==2.13.0"
 python3 -m pip install -q --disable-pip-version-check -e ".[test]"
 
-exec python3 -m pytest -q -p no:cacheprovider --durations=15 "$@" tests
+exec python3 -m pytest -q -p no:cacheprovider --durations=25 -m "not chaos_full" "$@" tests

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 Event = Mapping[str, Any]
@@ -228,7 +229,7 @@ def check(obs: Observation) -> Verdict:
 
     # 2. nothing lost beyond what a crash allows
     restarts: list[Restart] = []
-    for old, new in zip(segments, segments[1:]):
+    for old, new in pairwise(segments):
         crash = [f for f in obs.faults if f.crash and old.start_time < f.time <= new.start_time]
         last = old.last_step
         resumed = new.base
@@ -270,9 +271,9 @@ def check(obs: Observation) -> Verdict:
             violations.append(Violation(LAST_STEP, f"{node.name} exited with status {node.exit_code}"))
 
     # 3. bit-exact with an uninterrupted run when the world size never changed
-    worlds = sorted({s.world_size for s in segments})
-    if len(worlds) != 1:
-        params_check = f"not applicable: the world size changed ({', '.join(map(str, worlds)) or 'none'})"
+    sizes = sorted({s.world_size for s in segments})
+    if len(sizes) != 1:
+        params_check = f"not applicable: the world size changed ({', '.join(map(str, sizes)) or 'none'})"
     elif final_sha is None:
         params_check = "not checked: no final params_sha256"
     elif obs.reference_sha is None:
@@ -283,7 +284,7 @@ def check(obs: Observation) -> Verdict:
         params_check = f"different: {final_sha[:12]}… against {obs.reference_sha[:12]}…"
         violations.append(Violation(SAME_PARAMS, f"final params_sha256 {final_sha} differs from the "
                                                  f"uninterrupted run's {obs.reference_sha} at world size "
-                                                 f"{worlds[0]}"))
+                                                 f"{sizes[0]}"))
 
     # 4. nothing left behind
     for leftover in obs.leftovers:

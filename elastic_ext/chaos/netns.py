@@ -137,7 +137,7 @@ def call_in(namespace: str, fn: Callable[[], T]) -> T:
             finally:
                 os.close(fd)
             box["value"] = fn()
-        except BaseException as exc:  # handed to the caller's thread
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             box["error"] = exc
 
     thread = threading.Thread(target=target, name=f"netns-{namespace}", daemon=True)
@@ -248,7 +248,8 @@ class NetnsLab:
             _ip("-n", ns, "addr", "add", f"{plan.node_address(node)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-        return Host(plan.node_address(node), exec_prefix(ns))
+        # gloo binds to the address of the hostname (loopback here) unless told the interface
+        return Host(plan.node_address(node), exec_prefix(ns), env=(("GLOO_SOCKET_IFNAME", "eth0"),))
 
     # -- faults ------------------------------------------------------------------------------
     def cut(self, node: int) -> None:

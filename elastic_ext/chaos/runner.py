@@ -222,7 +222,7 @@ class ScenarioRun:
     def _undo(self, undo: Undo) -> None:
         try:
             detail = undo.run()
-        except Exception as exc:  # the job may be judged anyway; say what went wrong
+        except Exception as exc:  # noqa: BLE001 - the job is judged anyway; say what went wrong
             self.errors.append(f"could not {undo.description}: {exc}")
             detail = f"failed: {exc}"
         self.records.append(FaultRecord(time.time(), undo.description, undo.verb, restore=True, detail=detail))
@@ -247,15 +247,15 @@ class ScenarioRun:
                     fault = faults[index]
                     if trigger_met(fault.trigger, self.tail.events, since, now, stopped):
                         try:
-                            record, undo = injector.inject(fault)
+                            record, ending = injector.inject(fault)
                         except InjectionError as exc:
                             self.errors.append(f"line {fault.line} '{fault.describe()}': {exc}")
                             return
                         self.records.append(record)
                         since = record.time
                         index += 1
-                        if undo is not None:
-                            pending.append(undo)
+                        if ending is not None:
+                            pending.append(ending)
                         continue
                     if stopped and fault.trigger.kind not in ("stopped", "after"):
                         self.errors.append(f"every node exited before line {fault.line} "

@@ -49,7 +49,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-__all__ = ["Action", "Fault", "Scenario", "ScenarioError", "Settings", "Trigger", "parse", "SETTINGS"]
+__all__ = ["SETTINGS", "Action", "Fault", "Scenario", "ScenarioError", "Settings", "Trigger", "parse"]
 
 
 class ScenarioError(ValueError):

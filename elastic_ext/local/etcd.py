@@ -7,6 +7,7 @@ import socket
 import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -99,10 +100,12 @@ class EtcdCluster:
             wait_until(lambda: _port_open(member.client_port), timeout, 0.1, f"etcd {member.name}")
 
     def leader(self) -> EtcdMember:
+        def status_of(member: EtcdMember) -> Any:
+            return self.session.post(f"{member.client_url}/v3/maintenance/status", json={}, timeout=1).json()
+
         for m in self.members:
             try:
-                status = self.call(lambda m=m: self.session.post(f"{m.client_url}/v3/maintenance/status",
-                                                                 json={}, timeout=1).json())
+                status = self.call(partial(status_of, m))
             except (requests.RequestException, ValueError):
                 continue
             if status.get("leader") and status["leader"] == status["header"]["member_id"]:

@@ -56,6 +56,7 @@ class Host:
 
     address: str = "127.0.0.1"
     prefix: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()  # e.g. GLOO_SOCKET_IFNAME: gloo would pick loopback
 
 
 @dataclass
@@ -136,7 +137,7 @@ class LocalJob:
             cmd.append(f"--rdzv-conf={spec.rdzv_conf}")
         cmd += list(spec.command)
         env = dict(os.environ)
-        env.update({"OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO", **spec.env})
+        env.update({"OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO", **dict(host.env), **spec.env})
         node = Node(name, self.processes.spawn(name, cmd, env=env), host)
         self.nodes.append(node)
         return node

@@ -1,0 +1,199 @@
+"""``elastic-ext chaos``: run scenarios against a local job, print what broke, write a report.
+
+The only module of the harness that writes to the terminal: results go to the
+``out`` stream (standard output), the harness's own log to standard error when
+``--verbose`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+from elastic_ext.chaos import matrix
+from elastic_ext.chaos.report import summaries, write_report
+from elastic_ext.chaos.runner import RunOptions, RunResult, run_scenario
+from elastic_ext.chaos.scenario import Scenario, ScenarioError, parse, settings_help
+
+EXIT_OK, EXIT_BROKEN, EXIT_USAGE = 0, 1, 2
+
+EPILOG = """\
+A SCENARIO is a built-in name, a group (ci: the fast subset, full: the whole matrix),
+a scenario file, or - to read one from standard input. Scenario format:
+
+  nodes = 3                       # settings first: key = value
+  at step 30: kill node other     # then faults: TRIGGER: ACTION, fired in order
+  when recovered: start node
+  at step 100: preempt all
+  when stopped: start all
+
+Triggers: at step N | after Ds | when world N | when recovered | when stopped.
+Actions: kill worker T | kill node T | freeze node T for Ds | partition node T for Ds |
+preempt all | start node | start N nodes | start all | kill etcd leader|follower|all [for Ds] |
+fill disk [for Ds].  T: a node index, rank0, other or all.
+
+Exit status: 0 every scenario passed (or was skipped, with the reason printed),
+1 an invariant broke, 2 a scenario could not be read.
+"""
+
+
+def default_cache() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "elastic-ext" / "chaos"
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str = "chaos") -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG + "\nSettings:\n" + "\n".join(
+        f"  {key:<18} default {default:<8} {text}" for key, default, text in settings_help())
+    parser.add_argument("scenarios", nargs="*", metavar="SCENARIO",
+                        help="built-in name, ci, full, a scenario file, or -")
+    parser.add_argument("--list", action="store_true", help="list the built-in scenarios and groups")
+    parser.add_argument("--show", metavar="NAME", help="print a built-in scenario, to copy and edit")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a setting of every scenario run (repeatable)")
+    parser.add_argument("--report", type=Path, metavar="DIR",
+                        help="write NAME.json and NAME.png (timeline) per scenario, and index.json")
+    parser.add_argument("--workdir", type=Path, metavar="DIR",
+                        help="where the jobs run (default: a temporary directory, removed after a pass)")
+    parser.add_argument("--keep", action="store_true", help="keep the work directories after a pass too")
+    parser.add_argument("--module", default="trainer",
+                        help="training module run by torchrun -m; it must accept the trainer's flags and "
+                             "write its metrics file (default: the bundled trainer)")
+    parser.add_argument("--trainer-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument for the training module (repeatable)")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="skip the uninterrupted run that the final parameters are compared with")
+    parser.add_argument("--reference-cache", type=Path, default=default_cache(), metavar="DIR",
+                        help="where uninterrupted runs' results are kept (default %(default)s)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log the harness's actions to stderr")
+
+
+def _load(selector: str, overrides: dict[str, str], stdin: TextIO) -> list[Scenario]:
+    try:
+        names = matrix.names(selector)
+    except KeyError:
+        names = ()
+    if names:
+        scenarios = [matrix.scenario(name) for name in names]
+    elif selector == "-":
+        scenarios = [parse(stdin.read(), "stdin")]
+    else:
+        path = Path(selector)
+        if not path.is_file():
+            raise ScenarioError(f"{selector!r} is neither a built-in scenario ({', '.join(matrix.SCENARIOS)}, "
+                                f"or a group: {', '.join(matrix.GROUPS)}) nor a file")
+        scenarios = [parse(path.read_text(), path.stem)]
+    return [s.with_settings(overrides) for s in scenarios]
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _overrides(pairs: Sequence[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ScenarioError(f"--set {pair!r}: expected KEY=VALUE")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _one_line(result: RunResult) -> str:
+    took = f"{result.ended - result.started:.1f}s"
+    if result.skipped:
+        return f"SKIP {result.scenario.name}: {result.skipped}"
+    verdict = result.verdict
+    assert verdict is not None and result.observation is not None
+    faults = [f for f in result.observation.faults if not f.restore]
+    facts = (f"{len(faults)} fault(s), {len(verdict.restarts)} restart(s), lost {verdict.lost_steps} step(s), "
+             f"params {verdict.params_check}")
+    return f"{'PASS' if verdict.ok else 'FAIL'} {result.scenario.name} in {took}: {facts}"
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None, stdin: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    stdin = stdin or sys.stdin
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.list:
+        for name in matrix.SCENARIOS:
+            first = matrix.text(name).splitlines()[0].lstrip("# ")
+            out.write(f"{name:<14} {first}\n")
+        for group, members in matrix.GROUPS.items():
+            out.write(f"{group:<14} group: {' '.join(members)}\n")
+        return EXIT_OK
+    if args.show:
+        if args.show not in matrix.SCENARIOS:
+            out.write(f"no built-in scenario {args.show!r}; built in: {', '.join(matrix.SCENARIOS)}\n")
+            return EXIT_USAGE
+        out.write(matrix.text(args.show))
+        return EXIT_OK
+    if not args.scenarios:
+        out.write("name a scenario (elastic-ext chaos --list shows the built-in ones)\n")
+        return EXIT_USAGE
+    try:
+        overrides = _overrides(args.set)
+        scenarios = [s for selector in args.scenarios for s in _load(selector, overrides, stdin)]
+    except ScenarioError as exc:
+        out.write(f"error: {exc}\n")
+        return EXIT_USAGE
+
+    # SIGTERM (a CI timeout, `timeout`, an operator) unwinds like Ctrl-C: the runner's
+    # finally blocks then kill the job and remove namespaces and mounts.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    base = args.workdir or Path(tempfile.mkdtemp(prefix="elastic-ext-chaos-"))
+    results: list[RunResult] = []
+    for index, scenario in enumerate(scenarios):
+        workdir = base / f"{index:02d}-{scenario.name}"
+        if workdir.exists():
+            shutil.rmtree(workdir)
+        out.write(f"running {scenario.name} ({len(scenario.faults)} fault(s), "
+                  f"{scenario.settings.nodes} node(s), {scenario.settings.store})...\n")
+        out.flush()
+        options = RunOptions(workdir=workdir, module=args.module, trainer_extra=tuple(args.trainer_arg),
+                             reference=not args.no_reference, reference_cache=args.reference_cache)
+        result = run_scenario(scenario, options)
+        results.append(result)
+        out.write(_one_line(result) + "\n")
+        if result.verdict is not None:
+            for violation in result.verdict.violations:
+                out.write(f"  - {violation}\n")
+        if args.report is not None:
+            written = write_report(result, args.report)
+            out.write("  report: " + ", ".join(str(p) for p in written.values()) + "\n")
+        if result.ok and not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        elif not result.ok:
+            out.write(f"  logs: {workdir / 'logs'}\n")
+        out.flush()
+    if args.report is not None:
+        args.report.mkdir(parents=True, exist_ok=True)
+        (args.report / "index.json").write_text(json.dumps(summaries(results), indent=2) + "\n")
+    broken = [r for r in results if not r.ok]
+    if args.workdir is None and not broken and not args.keep:
+        shutil.rmtree(base, ignore_errors=True)
+    skipped = sum(1 for r in results if r.skipped)
+    out.write(f"chaos: {len(results) - len(broken) - skipped} passed, {len(broken)} failed"
+              + (f", {skipped} skipped" if skipped else "") + "\n")
+    return EXIT_BROKEN if broken else EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m elastic_ext.chaos``: the same command without the ``elastic-ext`` wrapper."""
+    parser = argparse.ArgumentParser(prog="elastic-ext chaos",
+                                     description="run a local job under a fault scenario and check invariants")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,354 @@
+"""Preemption and stop signals for training workers, and what a worker does on a peer's failure.
+
+SIGTERM, SIGINT and SIGUSR2 only set a flag; at the next step boundary all ranks
+agree through one small all-reduce (fused with whatever the loop reduces anyway)
+and, if any rank was signalled, commit a snapshot together and leave.
+
+A Python signal handler runs only when the main thread returns to the interpreter,
+and a worker whose peer is dead or frozen may sit in a C++ collective until it
+times out. torch's agent sends SIGTERM at every restart and waits 30 s before
+SIGKILL, so such a worker would stall the restart. A watchdog thread is woken by
+the signal itself (``signal.set_wakeup_fd`` writes the signal number to a socket
+in the C-level handler) and ends the process if the main thread has not reached
+the boundary, or begun the agreed commit, within a short grace. Once the commit
+has begun the watchdog leaves it alone.
+
+A worker whose collective fails because a peer went away reports it to its
+etcd-ext agent (:func:`elastic_ext.control.report_peer_failure`) and waits for the
+agent to stop it, instead of exiting non-zero and spending a restart.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import re
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+from elastic_ext import control
+
+logger = logging.getLogger(__name__)
+
+EXIT_HOLD_TIMEOUT = 1
+"""Exit status of a worker that waited for its own signal or for its agent, in vain."""
+
+_PEER_FAULT_PATTERNS = re.compile(
+    r"gloo/transport|ProcessGroupGloo|Gloo connect|NCCL|TCPStore|c10d"
+    r"|connection (?:reset|closed) by peer|broken pipe|socket timeout|communicator was aborted",
+    re.IGNORECASE,
+)
+"""Only what collectives and the store say: a hold is free of the restart budget, so an
+ordinary error (a data loader's timeout, say) must never be taken for a peer's fault."""
+
+
+def is_peer_fault(exc: BaseException) -> bool:
+    """True when ``exc`` looks like a collective failing because of a peer or the store.
+
+    Gloo raises plain ``RuntimeError`` ("Connection reset by peer", "Timed out waiting
+    ... for recv"), newer builds ``DistError`` subclasses; a genuine bug (a shape
+    error, say) must not be mistaken for one and held, so the message decides.
+    """
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    if not isinstance(exc, RuntimeError):
+        return isinstance(exc, (ConnectionError, TimeoutError))
+    return bool(_PEER_FAULT_PATTERNS.search(str(exc)))
+
+
+class Phase(enum.Enum):
+    RUNNING = "running"        # the watchdog may end the process once the grace is over
+    COMMITTING = "committing"  # a stop was agreed: the watchdog leaves the commit alone
+    HOLDING = "holding"        # waiting for a signal; the main thread exits by itself
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    """Which signals mean what, and how long a worker may take to act on them."""
+
+    stop_signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)
+    """Agent stops (restart, job cancel): act at the next boundary or leave within ``stop_grace_s``."""
+    preempt_signals: tuple[int, ...] = (signal.SIGUSR2,)
+    """Advance notice (SLURM ``--signal=USR2@120``): a longer grace, the step may be slow."""
+    stop_grace_s: float = 3.0
+    preempt_grace_s: float = 30.0
+    hold_timeout_s: float = 60.0
+    """How long a worker waits for its own signal after a stop it learned from others, or
+    for its agent after reporting a peer failure, before it exits non-zero."""
+
+    def grace_for(self, signum: int) -> float:
+        return self.preempt_grace_s if signum in self.preempt_signals else self.stop_grace_s
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The outcome of one step-boundary all-reduce."""
+
+    stop: bool
+    """Some rank was signalled: every rank commits and leaves."""
+    values: torch.Tensor | None = field(default=None, compare=False)
+    """The caller's values, summed over ranks (float64)."""
+
+
+def exit_now(code: int) -> NoReturn:
+    """Leave without interpreter teardown, which can block on a dead peer's process group."""
+    logger.info("exiting with status %d", code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+class PreemptionGuard:
+    """Signal flag, watchdog, step-boundary agreement and failure hold for one worker.
+
+    Typical use, on every rank::
+
+        guard = PreemptionGuard().install()
+        while step < total:
+            try:
+                train_step()
+                agreed = guard.agree()
+            except Exception as exc:
+                exit_now(guard.failure_exit_code(exc))
+            step += 1
+            if agreed.stop:
+                snapshots.commit_now(step, state)
+                exit_now(guard.preempted_exit_code())
+    """
+
+    def __init__(self, settings: GuardSettings | None = None) -> None:
+        self.settings = settings or GuardSettings()
+        self._signalled: int | None = None
+        self._signal_event = threading.Event()
+        self._phase = Phase.RUNNING
+        self._hold_code = 0  # what a held worker exits with once its signal comes
+        self._lock = threading.RLock()
+        self._previous_handlers: dict[int, object] = {}
+        self._previous_wakeup_fd = -1
+        self._reader: socket.socket | None = None
+        self._writer: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- installation
+    @property
+    def handled_signals(self) -> tuple[int, ...]:
+        return tuple(dict.fromkeys((*self.settings.stop_signals, *self.settings.preempt_signals)))
+
+    def install(self) -> PreemptionGuard:
+        """Install the handlers and start the watchdog; main thread only, once per process."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("PreemptionGuard.install() must run in the main thread")
+        if self._thread is not None:
+            return self
+        self._reader, self._writer = socket.socketpair()
+        self._writer.setblocking(False)
+        self._previous_wakeup_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+        for signum in self.handled_signals:
+            self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+        self._thread = threading.Thread(target=self._watch, name="preemption-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def uninstall(self) -> None:
+        """Restore the previous handlers and stop the watchdog."""
+        if self._thread is None:
+            return
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+        self._previous_handlers.clear()
+        signal.set_wakeup_fd(self._previous_wakeup_fd)
+        assert self._writer is not None
+        self._writer.close()  # the watchdog reads EOF and returns
+        self._thread.join(timeout=5)
+        self._thread = None
+        if self._reader is not None:
+            self._reader.close()
+
+    def __enter__(self) -> PreemptionGuard:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    # -- state
+    @property
+    def signalled(self) -> int | None:
+        """The first handled signal this process received, or None."""
+        return self._signalled
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    def _set_phase(self, phase: Phase) -> None:
+        with self._lock:
+            self._phase = phase
+
+    def _hold(self, code_on_signal: int) -> bool:
+        """Wait up to ``hold_timeout_s`` for a signal; True if one came."""
+        with self._lock:
+            self._hold_code = code_on_signal
+            self._phase = Phase.HOLDING
+        return self._signal_event.wait(self.settings.hold_timeout_s)
+
+    def _note(self, signum: int) -> None:
+        with self._lock:
+            if self._signalled is None:
+                self._signalled = signum
+        self._signal_event.set()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # No locks here: the handler may run inside any bytecode of the main thread, even one
+        # holding a lock it would need. The watchdog, woken by the same signal, does the rest.
+        if self._signalled is None:
+            self._signalled = signum
+
+    def _watch(self) -> None:
+        assert self._reader is not None
+        deadline: float | None = None
+        deadline_signal = 0
+        while True:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                readable, _, _ = select.select([self._reader], [], [], timeout)
+            except (OSError, ValueError):
+                return
+            if readable:
+                try:
+                    data = self._reader.recv(256)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    return
+                if not data:
+                    return
+                for signum in data:
+                    if signum not in self.handled_signals:
+                        continue
+                    self._note(signum)
+                    candidate = time.monotonic() + self.settings.grace_for(signum)
+                    if deadline is None or candidate < deadline:
+                        deadline, deadline_signal = candidate, signum
+                continue
+            if deadline is None or time.monotonic() < deadline:
+                continue
+            with self._lock:
+                phase = self._phase
+            if phase is Phase.RUNNING:
+                logger.error("got %s but the step boundary was not reached within %.1fs (a peer is "
+                             "dead or frozen, or a step is slower than the grace); exiting without "
+                             "a snapshot", signal.Signals(deadline_signal).name,
+                             self.settings.grace_for(deadline_signal))
+                exit_now(128 + deadline_signal)
+            if phase is Phase.HOLDING:  # the main thread should have left already
+                exit_now(self._hold_code)
+            deadline = None  # committing: the commit's own collectives have timeouts
+
+    # -- the step boundary
+    def agree(self, values: torch.Tensor | None = None,
+              group: dist.ProcessGroup | None = None) -> Agreement:
+        """One all-reduce (SUM) of ``[signalled, *values]``: did any rank get a signal?
+
+        Call it at every step boundary on every rank. Passing the loop's own values
+        (a loss sum, a sample count) makes this the only collective the boundary needs.
+        When the answer is stop, the watchdog stands down so the commit can finish.
+        """
+        flag = 1.0 if self._signalled is not None else 0.0
+        if not (dist.is_available() and dist.is_initialized()):
+            stop = flag > 0
+            summed = values.detach().to(torch.float64).flatten() if values is not None else None
+        else:
+            device = values.device if values is not None else _default_device(group)
+            parts = [torch.tensor([flag], dtype=torch.float64, device=device)]
+            if values is not None:
+                parts.append(values.detach().to(device=device, dtype=torch.float64).flatten())
+            payload = torch.cat(parts)
+            dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group)
+            stop = bool(payload[0].item() > 0)
+            summed = payload[1:] if values is not None else None
+        if stop:
+            self._set_phase(Phase.COMMITTING)
+        return Agreement(stop=stop, values=summed)
+
+    def begin_commit(self) -> None:
+        """Stand the watchdog down for a commit that is not the result of :meth:`agree` (the last one)."""
+        self._set_phase(Phase.COMMITTING)
+
+    def preempted_exit_code(self) -> int:
+        """After the agreed commit: 0 once this process has its own signal.
+
+        A worker that learned of the stop only from the others must not exit 0 at
+        once (its agent would take that as the job succeeding), so it waits up to
+        ``hold_timeout_s`` for its own signal and otherwise returns non-zero.
+        """
+        if self._signalled is not None:
+            return 0
+        logger.info("a peer was signalled; waiting up to %.0fs for this worker's own signal",
+                    self.settings.hold_timeout_s)
+        if self._hold(code_on_signal=0):
+            return 0
+        logger.error("no signal reached this worker within %.0fs after the preemption snapshot",
+                     self.settings.hold_timeout_s)
+        return EXIT_HOLD_TIMEOUT
+
+    def failure_exit_code(self, exc: BaseException) -> int:
+        """What a worker whose step raised ``exc`` exits with; re-raises what is not a peer's fault.
+
+        Already signalled: the failure is part of the stop, leave now. A peer fault
+        under an etcd-ext agent: report it and wait until the agent stops this
+        worker (then 128+SIGTERM), or ``hold_timeout_s`` (then non-zero). Otherwise
+        (stock torchrun, or a genuine error): ``exc`` is raised again.
+        """
+        if self._signalled is not None:
+            logger.warning("step failed while stopping on %s: %s",
+                           signal.Signals(self._signalled).name, exc)
+            return 128 + self._signalled
+        if not is_peer_fault(exc):
+            raise exc
+        if not control.report_peer_failure(f"rank {_rank()}: {type(exc).__name__}: {exc}"):
+            raise exc
+        logger.warning("a collective failed (%s); reported to the etcd-ext agent, waiting up to "
+                       "%.0fs for it to stop this worker", exc, self.settings.hold_timeout_s)
+        if self._hold(code_on_signal=128 + signal.SIGTERM):
+            assert self._signalled is not None
+            return 128 + self._signalled
+        logger.error("the agent did not stop this worker within %.0fs of the reported failure",
+                     self.settings.hold_timeout_s)
+        return EXIT_HOLD_TIMEOUT
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _default_device(group: dist.ProcessGroup | None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+__all__ = [
+    "EXIT_HOLD_TIMEOUT",
+    "Agreement",
+    "GuardSettings",
+    "Phase",
+    "PreemptionGuard",
+    "exit_now",
+    "is_peer_fault",
+]

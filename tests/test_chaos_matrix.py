@@ -1,0 +1,96 @@
+"""The chaos matrix: every built-in scenario against a real local job, judged by the harness.
+
+Each test runs one scenario of ``elastic_ext.chaos.matrix`` with
+:func:`~elastic_ext.chaos.runner.run_scenario` (real etcd, real torchrun agents, the
+bundled trainer), asserts the harness found no broken invariant, and then checks what
+that scenario is about (no step lost at a join, no restart for an etcd failure, ...).
+
+CI runs the ``ci`` group (``matrix.CI``). The rest is marked ``chaos_full`` and runs
+only with ``ELASTIC_EXT_CHAOS_FULL=1``; the whole matrix is::
+
+    ELASTIC_EXT_CHAOS_FULL=1 flock /tmp/elastic-ext-heavy.lock python -m pytest -p no:cacheprovider \\
+        tests/test_chaos_matrix.py
+
+Every test has a hard timeout (the scenario's own limit plus room for the reference
+run); the runner kills every process it started by its tag and removes its
+namespaces and mounts even when the test times out.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elastic_ext.chaos import matrix
+from elastic_ext.chaos.runner import RunOptions, RunResult, run_scenario
+
+FULL = os.environ.get("ELASTIC_EXT_CHAOS_FULL") == "1"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def reference_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Uninterrupted runs shared by the scenarios of one session (a few, not one per test)."""
+    return tmp_path_factory.mktemp("chaos-reference")
+
+
+def _cases() -> Iterator[object]:
+    for name in matrix.GROUPS["full"]:
+        marks: list[pytest.MarkDecorator] = [pytest.mark.timeout(matrix.scenario(name).settings.timeout + 240)]
+        if name not in matrix.CI:
+            marks += [pytest.mark.chaos_full,
+                      pytest.mark.skipif(not FULL, reason="full chaos matrix: set ELASTIC_EXT_CHAOS_FULL=1")]
+        yield pytest.param(name, marks=marks, id=name)
+
+
+def _explain(result: RunResult) -> str:
+    lines = [f"scenario {result.scenario.name}:"]
+    if result.verdict is not None:
+        lines += [f"  - {v}" for v in result.verdict.violations]
+    for name, log in result.logs.items():
+        text = log.read_text(errors="replace") if log.exists() else ""
+        lines.append(f"===== {name} ({log}) =====\n{text[-4000:]}")
+    return "\n".join(lines)
+
+
+def _worlds(result: RunResult) -> list[int]:
+    assert result.verdict is not None
+    worlds: list[int] = []
+    for segment in result.verdict.segments:
+        if not worlds or worlds[-1] != segment.world_size:
+            worlds.append(segment.world_size)
+    return worlds
+
+
+EXPECTED_WORLDS = {
+    "kill-worker": [2], "kill-node": [3, 2], "kill-rank0": [3, 2], "freeze": [3, 2, 3],
+    "etcd-follower": [2], "etcd-leader": [2], "etcd-outage": [2], "kill-all": [2], "join": [2, 3],
+    "preempt": [2], "disk-full": [2], "partition": [3, 2, 3],
+}
+NO_RESTART = {"etcd-follower", "etcd-leader", "etcd-outage", "disk-full"}
+NOTHING_LOST = {"join", "preempt", *NO_RESTART}
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_scenario(name: str, tmp_path: Path, reference_cache: Path) -> None:
+    result = run_scenario(matrix.scenario(name), RunOptions(workdir=tmp_path, reference_cache=reference_cache))
+    if result.skipped:
+        pytest.skip(result.skipped)
+    verdict = result.verdict
+    assert verdict is not None and verdict.ok, _explain(result)
+    assert _worlds(result) == EXPECTED_WORLDS[name], _explain(result)
+    if name in NO_RESTART:
+        assert not verdict.restarts, _explain(result)
+    else:
+        assert verdict.restarts, _explain(result)
+    if name in NOTHING_LOST:
+        assert verdict.lost_steps == 0
+    if len(EXPECTED_WORLDS[name]) == 1:
+        assert verdict.params_check.startswith("equal"), verdict.params_check
+    if name == "disk-full":
+        writer_logs = "".join(p.read_text(errors="replace") for p in result.logs.values() if p.exists())
+        assert "could not write the snapshot" in writer_logs  # the fault did hit a snapshot

@@ -1,0 +1,316 @@
+"""deploy/slurm on a real SLURM cluster built on this machine (tests/support/slurm_lab.py).
+
+slurmctld and one slurmd per network namespace, the lab's own munged; the shipped
+batch scripts are submitted as they are, with settings in the environment:
+
+1. a 2-node job trains to ``done`` through etcd-ext on an etcd the job starts on its first node;
+2. preemption: a job on the preemptible partition (``--signal=USR2@120 --requeue``) is
+   preempted by an urgent job: USR2 -> snapshot -> requeue (same job id, same run id,
+   external etcd) -> resume from that step -> ``done``;
+3. node 2's link is cut mid-run: the job (``--nnodes=1:2``) goes on with node 1 alone,
+   SLURM marks node 2 down, and the job still ends COMPLETED.
+
+Needs root and network namespaces (skipped with the reason otherwise); installs slurm and
+munge with apt-get when they are missing.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elastic_ext.local.processes import ProcessSet, signal_pids, wait_until
+from support.slurm_lab import LabUnavailable, SlurmLab, check_host, ensure_packages
+from support.trainer_runs import events
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parent.parent
+SLURM_DIR = REPO / "deploy" / "slurm"
+TRAIN = ("--model-size", "tiny", "--global-batch-size", "16", "--seed", "5", "--step-delay", "0.05")
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+         "DEADLINE", "PREEMPTED")
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmLab]:
+    try:
+        check_host()
+    except LabUnavailable as exc:
+        pytest.skip(str(exc))
+    ensure_packages()
+    processes = ProcessSet(tmp_path_factory.mktemp("slurm-lab") / "logs")
+    try:
+        with SlurmLab(processes, nodes=2) as the_lab:
+            yield the_lab
+    finally:
+        processes.cleanup()
+
+
+@pytest.fixture
+def job_dir(lab: SlurmLab, tmp_path: Path) -> Iterator[Path]:
+    lab.wait_nodes(lab.nodes, "idle", 60)  # a previous test may have left node2 recovering
+    yield tmp_path
+    # nothing of this test's jobs may outlive it
+    for job_id in lab.client("squeue", "-h", "-o", "%i").stdout.split():
+        lab.client("scancel", job_id, check=False)
+
+
+def job_env(lab: SlurmLab, job_dir: Path, **extra: str) -> dict[str, str]:
+    env = lab.env
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}"
+    env.pop("OMP_NUM_THREADS", None)  # torchrun-node.sh computes it
+    env["ELASTIC_EXT_SNAPSHOT_DIR"] = str(job_dir / "snapshots")
+    env["TRAINER_LOG_LEVEL"] = "INFO"
+    env.update(extra)
+    return env
+
+
+def submit(lab: SlurmLab, job_dir: Path, script: str, env: dict[str, str], *trainer_args: str,
+           sbatch_args: tuple[str, ...] = ()) -> str:
+    return lab.sbatch("--nodes=2", "--time=5", f"--chdir={job_dir}", f"--output={job_dir}/job-%j.out",
+                      *sbatch_args, str(SLURM_DIR / script), *TRAIN, *trainer_args, env=env)
+
+
+def output(job_dir: Path, job_id: str) -> str:
+    try:
+        return (job_dir / f"job-{job_id}.out").read_text(errors="replace")
+    except FileNotFoundError:
+        return "(no job output)"
+
+
+def metrics(job_dir: Path) -> list[dict[str, Any]]:
+    return events(job_dir / "snapshots" / "metrics.jsonl")
+
+
+def key_events(evs: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    return [(e["event"], e["step"], e["world_size"], e.get("resumed_from")) for e in evs
+            if e["event"] in ("start", "preempted", "done")]
+
+
+def explain(lab: SlurmLab, job_dir: Path, job_id: str) -> str:
+    """What to print when a check fails: the job's state, its output, its metrics, slurmctld's log."""
+    try:
+        state = lab.job(job_id)
+    except Exception as exc:  # noqa: BLE001 - the cluster itself may be what broke
+        state = {"error": str(exc)}
+    return (f"\njob {job_id}: { {k: state.get(k) for k in ('JobState', 'Reason', 'ExitCode', 'Restarts', 'NodeList')} }"
+            f"\nmetrics: {key_events(metrics(job_dir))}\n----- job output -----\n{output(job_dir, job_id)[-8000:]}"
+            f"\n----- slurmctld log -----\n{lab.log('slurmctld')[-3000:]}")
+
+
+def wait_metric(lab: SlurmLab, job_dir: Path, job_id: str, predicate: Any, timeout: float, what: str) -> None:
+    def check() -> bool:
+        if any(predicate(e) for e in metrics(job_dir)):
+            return True
+        if lab.job(job_id).get("JobState") in ENDED:
+            raise AssertionError(f"job ended before {what}" + explain(lab, job_dir, job_id))
+        return False
+    try:
+        wait_until(check, timeout, 0.2, what)
+    except TimeoutError as exc:
+        raise AssertionError(str(exc) + explain(lab, job_dir, job_id)) from None
+
+
+def wait_end(lab: SlurmLab, job_dir: Path, job_id: str, timeout: float) -> dict[str, str]:
+    try:
+        return lab.wait_job(job_id, lambda j: j.get("JobState") in ENDED, timeout, f"job {job_id} to end")
+    except TimeoutError as exc:
+        raise AssertionError(str(exc) + explain(lab, job_dir, job_id)) from None
+
+
+@pytest.fixture
+def external_etcd(lab: SlurmLab, job_dir: Path) -> Iterator[str]:
+    """An etcd outside the allocation (on the login node, ``ctl``) for one test; its address."""
+    ctl = lab.addr("ctl")
+    proc = lab.spawn_in("ctl", "etcd-external", [
+        "etcd", "--name", "external", "--data-dir", str(job_dir / "etcd"), "--logger", "zap",
+        "--log-level", "warn", "--listen-client-urls", f"http://{ctl}:2379",
+        "--advertise-client-urls", f"http://{ctl}:2379", "--listen-peer-urls", "http://127.0.0.1:2380",
+        "--initial-advertise-peer-urls", "http://127.0.0.1:2380",
+        "--initial-cluster", "external=http://127.0.0.1:2380"])
+    try:
+        assert run_keys(lab, ctl, "none") == 0 and proc.popen.poll() is None, proc.output()[-3000:]
+        yield ctl
+    finally:
+        proc.kill()
+        proc.popen.wait(timeout=10)
+
+
+_COUNT_KEYS = """
+import base64, json, sys, urllib.request
+prefix = sys.argv[2].encode()
+end = prefix[:-1] + bytes([prefix[-1] + 1])
+body = json.dumps({"key": base64.b64encode(prefix).decode(), "range_end": base64.b64encode(end).decode(),
+                   "count_only": True}).encode()
+for _ in range(50):
+    try:
+        with urllib.request.urlopen(urllib.request.Request(sys.argv[1] + "/v3/kv/range", body), timeout=2) as r:
+            print(json.load(r).get("count", 0))
+            break
+    except OSError:
+        import time; time.sleep(0.2)
+else:
+    sys.exit("etcd did not answer")
+"""
+
+
+def run_keys(lab: SlurmLab, etcd_addr: str, run_id: str) -> int:
+    """How many keys etcd-ext holds for ``run_id`` (asked from the login node, inside the lab)."""
+    out = lab.client(sys.executable, "-c", _COUNT_KEYS, f"http://{etcd_addr}:2379",
+                     f"/elastic-ext/{run_id}/", timeout=30).stdout
+    return int(out.strip() or 0)
+
+
+def training_steps(e: dict[str, Any], world_size: int, step: int) -> bool:
+    return e["event"] == "step" and e["world_size"] == world_size and e["step"] >= step
+
+
+@pytest.mark.timeout(240)
+def test_two_node_job_trains_to_done_with_etcd_on_its_first_node(lab: SlurmLab, job_dir: Path) -> None:
+    started = time.monotonic()
+    job_id = submit(lab, job_dir, "elastic.sbatch", job_env(lab, job_dir), "--steps", "40",
+                    "--snapshot-every", "20")
+    job = wait_end(lab, job_dir, job_id, 180)
+    why = explain(lab, job_dir, job_id)
+    assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "0"), why
+
+    evs = metrics(job_dir)
+    done = [e for e in evs if e["event"] == "done"]
+    assert [(e["step"], e["world_size"]) for e in done] == [(40, 2)], why
+    assert not [e for e in evs if e["event"] == "preempted" and e.get("signal") == "SIGUSR2"], why
+
+    out = output(job_dir, job_id)
+    node1, node2 = lab.addr("node1"), lab.addr("node2")
+    # the job's own etcd, on the first node's address; torchrun's --local-addr is each node's own
+    assert re.search(rf"rendezvous: etcd-ext at {re.escape(node1)}:\d+, run id {job_id}\b", out), why
+    assert "etcd-ext: etcd 3." in out, why
+    assert re.search(rf"\[torchrun-node node1 [\d:]+\] local address {re.escape(node1)}, OMP_NUM_THREADS=2", out), why
+    assert re.search(rf"\[torchrun-node node2 [\d:]+\] local address {re.escape(node2)}, OMP_NUM_THREADS=2", out), why
+    assert "trainer's last event: done" in out, why
+    # the job's etcd ended with the job
+    wait_until(lambda: not lab.processes_named("node1", "etcd"), 30, 0.2, "the job's etcd to exit")
+    print(f"2-node job: {time.monotonic() - started:.1f}s")
+
+
+@pytest.mark.timeout(300)
+def test_preempted_job_snapshots_requeues_itself_and_resumes(lab: SlurmLab, job_dir: Path,
+                                                              external_etcd: str) -> None:
+    started = time.monotonic()
+    ctl = external_etcd
+    env = job_env(lab, job_dir, ELASTIC_EXT_ETCD_ENDPOINTS=f"{ctl}:2379")
+    job_id = submit(lab, job_dir, "preemptible.sbatch", env, "--steps", "120", "--snapshot-every", "50",
+                    sbatch_args=("--partition=batch",))
+    wait_metric(lab, job_dir, job_id, lambda e: training_steps(e, 2, 10), 120, "2-node training")
+
+    urgent = lab.sbatch("--partition=urgent", "--nodes=2", "--exclusive", f"--output={job_dir}/urgent-%j.out",
+                        "--wrap", "echo urgent job on $(hostname)", env=lab.env)
+    job = wait_end(lab, job_dir, job_id, 200)
+    why = explain(lab, job_dir, job_id)
+    assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "1"), why
+    assert lab.job(urgent)["JobState"] == "COMPLETED", why
+
+    evs = metrics(job_dir)
+    preempted = [e for e in evs if e["event"] == "preempted"]
+    assert len(preempted) == 1 and preempted[0].get("signal") == "SIGUSR2", why
+    at = preempted[0]["step"]
+    assert 10 <= at < 120, why
+    # the snapshot of that very step was durable before the job left
+    before = evs[:evs.index(preempted[0])]
+    assert any(e["event"] == "snapshot" and e["step"] == at for e in before), why
+    starts = [e for e in evs if e["event"] == "start"]
+    after = evs[evs.index(preempted[0]):]
+    resumed = [e for e in after if e["event"] == "start"]
+    assert resumed and resumed[0]["resumed_from"] == at and resumed[0]["world_size"] == 2, why
+    assert starts[0]["resumed_from"] is None, why
+    done = [e for e in evs if e["event"] == "done"]
+    assert [(e["step"], e["world_size"]) for e in done] == [(120, 2)], why
+
+    out = output(job_dir, job_id)
+    # torchrun survived the USR2 (a dead torchrun shows as this srun error)
+    assert "User defined signal 2" not in out, why
+    assert f"preempted after a snapshot: requeueing job {job_id}" in out, why
+    # both runs rendezvoused under the same run id through the external etcd
+    assert out.count(f"rendezvous: etcd-ext at {ctl}:2379, run id {job_id}") == 2, why
+    assert re.search(rf"local address {re.escape(lab.addr('node1'))}, OMP_NUM_THREADS=\d+, restart 1 of job {job_id}",
+                     out), why
+    print(f"preemption cycle: preempted at step {at}; {time.monotonic() - started:.1f}s")
+
+
+@pytest.mark.timeout(300)
+def test_a_cut_link_leaves_the_job_running_on_the_survivor(lab: SlurmLab, job_dir: Path) -> None:
+    started = time.monotonic()
+    env = job_env(lab, job_dir, ELASTIC_EXT_MIN_NODES="1")
+    job_id = submit(lab, job_dir, "elastic.sbatch", env, "--steps", "150", "--snapshot-every", "10")
+    try:
+        wait_metric(lab, job_dir, job_id, lambda e: training_steps(e, 2, 12), 120, "2-node training")
+        lab.cut_link("node2")
+        cut_at = max(e["step"] for e in metrics(job_dir) if e["event"] == "step")
+        wait_metric(lab, job_dir, job_id, lambda e: e["event"] == "start" and e["world_size"] == 1, 60,
+                    "node1 to go on alone")
+        job = wait_end(lab, job_dir, job_id, 150)
+        why = explain(lab, job_dir, job_id)
+        assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), why
+        node_state = lab.client("sinfo", "-h", "-n", "node2", "-o", "%t").stdout.split()
+        assert node_state and node_state[0].startswith("down"), f"node2 is {node_state}" + why
+    finally:
+        lab.heal_link("node2")
+
+    evs = metrics(job_dir)
+    starts = [e for e in evs if e["event"] == "start"]
+    alone = [e for e in starts if e["world_size"] == 1 and e["resumed_from"] is not None]
+    assert alone, why
+    resumed = alone[-1]["resumed_from"]
+    assert resumed <= cut_at + 1 and resumed % 10 == 0, why  # the last periodic snapshot before the cut
+    done = [e for e in evs if e["event"] == "done"]
+    assert [(e["step"], e["world_size"]) for e in done] == [(150, 1)], why
+    lab.wait_nodes(["node2"], "idle", 60)  # ReturnToService=2: back once it answers again
+    print(f"link cut at step ~{cut_at}, node1 resumed from {resumed}; {time.monotonic() - started:.1f}s")
+
+
+@pytest.mark.timeout(300)
+def test_a_job_killed_without_notice_resumes_under_the_same_run_id(lab: SlurmLab, job_dir: Path,
+                                                                   external_etcd: str) -> None:
+    """No snapshot on the way out, no clean leave: the requeued job finds the old generation's
+    keys in the external etcd, sees every node of it dead, starts a new one under the same
+    run id (the job id) and resumes from the last periodic snapshot."""
+    started = time.monotonic()
+    ctl = external_etcd
+    env = job_env(lab, job_dir, ELASTIC_EXT_ETCD_ENDPOINTS=f"{ctl}:2379")
+    job_id = submit(lab, job_dir, "elastic.sbatch", env, "--steps", "80", "--snapshot-every", "10",
+                    sbatch_args=("--requeue", "--open-mode=append"))
+    wait_metric(lab, job_dir, job_id, lambda e: training_steps(e, 2, 12), 120, "2-node training")
+    # SIGKILL every torchrun agent and worker of the job at once, as a power cut would
+    # (`scancel --signal=KILL` is a plain cancel: TERM first, and the agents leave cleanly).
+    doomed = [pid for node in lab.nodes for pid, comm in lab.host_processes(node).items()
+              if comm == "pt_elastic" or comm.startswith("python")]  # torchrun renames itself
+    assert len(doomed) >= 4, f"expected 2 agents and 2 workers, found {doomed}"
+    signal_pids(doomed, signal.SIGKILL)
+    first = wait_end(lab, job_dir, job_id, 60)
+    why = explain(lab, job_dir, job_id)
+    assert first["JobState"] == "FAILED", why
+    killed_at = max(e["step"] for e in metrics(job_dir) if e["event"] == "step")
+    assert not [e for e in metrics(job_dir) if e["event"] in ("preempted", "done")], why
+    assert run_keys(lab, ctl, job_id) > 0, "the killed agents left no state behind" + why
+
+    lab.client("scontrol", "requeue", job_id)
+    job = lab.wait_job(job_id, lambda j: j.get("Restarts") == "1" and j.get("JobState") in ENDED, 150,
+                       f"requeued job {job_id} to end")
+    why = explain(lab, job_dir, job_id)
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), why
+    evs = metrics(job_dir)
+    starts = [e for e in evs if e["event"] == "start"]
+    resumed = starts[-1]["resumed_from"]
+    assert resumed is not None and resumed % 10 == 0 and 10 <= resumed <= killed_at, why
+    assert [(e["step"], e["world_size"]) for e in evs if e["event"] == "done"] == [(80, 2)], why
+    out = output(job_dir, job_id)
+    assert out.count(f"rendezvous: etcd-ext at {ctl}:2379, run id {job_id}") == 2, why
+    assert run_keys(lab, ctl, job_id) == 0, "the finished job left its keys" + why
+    print(f"killed at step {killed_at}, resumed from {resumed}; {time.monotonic() - started:.1f}s")

@@ -1,0 +1,192 @@
+"""Preemption and stops with real torchrun agents and workers (stock c10d rendezvous, gloo).
+
+- SIGUSR2 to the workers (SLURM ``--signal=USR2@N`` without ``B:``) and, separately, to
+  the agent with ``--signals-to-handle`` including SIGUSR2: a snapshot at the next step
+  boundary, a ``preempted`` event, workers exit 0; the next start resumes from exactly
+  that step and ends bit-exact with an uninterrupted run.
+- A worker that only learned of the stop from its peers waits for its own signal.
+- SIGTERM while a peer is frozen: the worker leaves within the grace, not after 30 s.
+- A peer dies under an agent that listens for fault reports: the survivor reports and
+  holds until its agent stops it, then exits at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from support.processes import ProcessSet, signal_pids, wait_until
+from support.trainer_runs import (
+    BASE_ARGS,
+    env,
+    events,
+    exit_lines,
+    finish,
+    of,
+    pid_gone,
+    reference,
+    run_to_end,
+    torchrun_cmd,
+    wait_event,
+    worker_pids,
+)
+
+HANDLE_USR2 = ("--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2", "--shutdown-timeout=60")
+
+
+def _torchrun_has(flag: str) -> bool:
+    from torch.distributed.run import get_args_parser
+
+    return any(flag in action.option_strings for action in get_args_parser()._actions)
+
+
+def _job(tmp_path: Path) -> tuple[Path, list[str]]:
+    metrics = tmp_path / "m.jsonl"
+    return metrics, [*BASE_ARGS, "--snapshot-dir", str(tmp_path / "snaps"), "--snapshot-every", "5",
+                     "--metrics", str(metrics)]
+
+
+def _check_preempted_then_resume(processes: ProcessSet, tmp_path: Path, metrics: Path,
+                                 args: list[str], ref_sha: str) -> int:
+    """The run stopped with a durable snapshot at its last step; a new start resumes exactly there."""
+    evs = events(metrics)
+    preempted = of(evs, "preempted")
+    assert len(preempted) == 1, evs[-5:]
+    k = preempted[0]["step"]
+    assert max(e["step"] for e in of(evs, "step")) == k  # nothing ran past the agreed boundary
+    assert k in [e["step"] for e in of(evs, "snapshot")]
+    assert evs[-1]["event"] == "preempted"
+
+    run_to_end(processes, "resume", torchrun_cmd(2, *args), timeout=90)
+    evs = events(metrics)
+    start = of(evs, "start")[-1]
+    assert start["resumed_from"] == k
+    after = [e["step"] for e in evs[evs.index(start):] if e["event"] == "step"]
+    assert after == list(range(k + 1, 41))  # no step lost, none repeated
+    assert of(evs, "done")[-1]["params_sha256"] == ref_sha
+    return k
+
+
+@pytest.mark.timeout(150)
+def test_sigusr2_to_the_workers(processes: ProcessSet, tmp_path: Path) -> None:
+    ref = reference(processes, tmp_path, 2)
+    metrics, args = _job(tmp_path)
+    agent = processes.spawn("agent", torchrun_cmd(2, *args, "--step-delay", "0.1"), env=env())
+    wait_event(metrics, lambda e: e["event"] == "step" and e["step"] >= 8, 60, agent, "step 8")
+    workers = worker_pids(agent, 2)
+    signal_pids(workers.values(), signal.SIGUSR2)
+    assert finish(agent, 30) == 0  # torchrun's own verdict: every worker exited 0
+    assert sorted(exit_lines(agent)) == [(0, 0), (1, 0)]
+    k = _check_preempted_then_resume(processes, tmp_path, metrics, args, ref.sha256)
+    assert k >= 8
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(not (_torchrun_has("--signals-to-handle") and _torchrun_has("--shutdown-timeout")),
+                    reason="torchrun has --signals-to-handle since torch 2.10, --shutdown-timeout since 2.12")
+def test_sigusr2_to_the_agent(processes: ProcessSet, tmp_path: Path) -> None:
+    """torchrun forwards SIGUSR2 to the workers, waits for them, then exits 1.
+
+    With SIGUSR2 in ``--signals-to-handle`` the agent turns it into a SignalException:
+    it sends SIGUSR2 to each worker's process group, waits up to ``--shutdown-timeout``
+    for them (they commit and exit 0 well before), and then re-raises the exception,
+    so torchrun itself always ends with status 1 after a handled signal (torch 2.13).
+    """
+    ref = reference(processes, tmp_path, 2)
+    metrics, args = _job(tmp_path)
+    agent = processes.spawn("agent", torchrun_cmd(2, *args, "--step-delay", "0.1", agent_args=HANDLE_USR2),
+                            env=env())
+    wait_event(metrics, lambda e: e["event"] == "step" and e["step"] >= 8, 60, agent, "step 8")
+    worker_pids(agent, 2)
+    sent = time.monotonic()
+    agent.popen.send_signal(signal.SIGUSR2)
+    code = finish(agent, 30)
+    elapsed = time.monotonic() - sent
+    log = agent.output()
+    assert sorted(exit_lines(agent)) == [(0, 0), (1, 0)], log[-4000:]
+    assert log.count("closing signal SIGUSR2") == 2
+    assert "forcefully exiting" not in log  # no worker needed SIGKILL
+    assert code == 1 and "SignalException" in log
+    assert elapsed < 20  # the agent returned as soon as its workers had, not after the 60 s timeout
+    _check_preempted_then_resume(processes, tmp_path, metrics, args, ref.sha256)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("second_signal", [True, False], ids=["own-signal-later", "hold-times-out"])
+def test_a_worker_told_by_its_peers_waits_for_its_own_signal(
+        processes: ProcessSet, tmp_path: Path, second_signal: bool) -> None:
+    metrics, args = _job(tmp_path)
+    agent = processes.spawn("agent", torchrun_cmd(2, *args, "--step-delay", "0.1", "--hold-timeout",
+                                                  "30" if second_signal else "2"), env=env())
+    wait_event(metrics, lambda e: e["event"] == "step" and e["step"] >= 6, 60, agent, "step 6")
+    workers = worker_pids(agent, 2)
+    signal_pids([workers[0]], signal.SIGUSR2)
+    wait_event(metrics, lambda e: e["event"] == "preempted", 30, agent, "preempted")
+    wait_until(lambda: "[rank 1] INFO elastic_ext.preemption: a peer was signalled" in agent.output(),
+               timeout=10, what="rank 1 holding")
+    if second_signal:
+        assert not pid_gone(workers[1])  # holding, not exited 0 behind its agent's back
+        signal_pids([workers[1]], signal.SIGUSR2)
+        assert finish(agent, 30) == 0
+        assert sorted(exit_lines(agent)) == [(0, 0), (1, 0)]
+    else:
+        assert finish(agent, 30) != 0  # torchrun sees rank 1's failure
+        assert (1, 1) in exit_lines(agent)
+        assert "no signal reached this worker within 2s" in agent.output()
+    preempted = of(events(metrics), "preempted")[0]
+    assert preempted["step"] in [e["step"] for e in of(events(metrics), "snapshot")]
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_with_a_frozen_peer_leaves_within_the_grace(processes: ProcessSet, tmp_path: Path) -> None:
+    metrics, args = _job(tmp_path)
+    agent = processes.spawn("agent", torchrun_cmd(2, *args, "--step-delay", "0.05"), env=env())
+    wait_event(metrics, lambda e: e["event"] == "step" and e["step"] >= 5, 60, agent, "step 5")
+    workers = worker_pids(agent, 2)
+    signal_pids([workers[1]], signal.SIGSTOP)  # frozen: rank 0 blocks in its next collective
+    sent = time.monotonic()
+    agent.popen.send_signal(signal.SIGTERM)  # as at a restart: the agent SIGTERMs its workers
+    wait_until(lambda: pid_gone(workers[0]), timeout=20, what="rank 0 to exit")
+    elapsed = time.monotonic() - sent
+    assert elapsed < 3.0 + 2.5, f"rank 0 took {elapsed:.1f}s"  # the 3 s grace, not torch's 30 s
+    assert "the step boundary was not reached within 3.0s" in agent.output()
+    assert (0, 128 + signal.SIGTERM) in exit_lines(agent)
+
+
+@pytest.mark.timeout(120)
+def test_peer_death_is_reported_and_the_survivor_holds(processes: ProcessSet, tmp_path: Path) -> None:
+    """Under an etcd-ext agent (its control directory, here faked) a survivor does not fail.
+
+    The stock agent here restarts the group on rank 1's death; it SIGTERMs the holding
+    rank 0, which must leave at once so that the restart does not wait 30 s for it.
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: with torch 2.13's default, the c10d rendezvous
+    shares its TCPStore with the workers and the restarted gloo group reads a dead
+    worker's address from the previous round ("Gloo connectFullMesh failed ...
+    Connection refused"), with or without this package (pytorch issue 135712).
+    """
+    ref = reference(processes, tmp_path, 2)
+    control = tmp_path / "control"
+    control.mkdir()
+    (control / "round").write_text("0")
+    metrics, args = _job(tmp_path)
+    agent = processes.spawn(
+        "agent", torchrun_cmd(2, *args, "--step-delay", "0.05",
+                              agent_args=("--max-restarts=1", "--monitor-interval=3")),
+        env=env(ELASTIC_EXT_CONTROL_DIR=str(control), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+    wait_event(metrics, lambda e: e["event"] == "snapshot" and e["step"] >= 5, 60, agent, "snapshot 5")
+    workers = worker_pids(agent, 2)
+    killed = time.monotonic()
+    signal_pids([workers[1]], signal.SIGKILL)
+    fault = wait_until(lambda: (control / "fault-0").exists() and (control / "fault-0").read_text(),
+                       timeout=15, what="a fault report")
+    assert isinstance(fault, str) and fault.startswith("rank 0: RuntimeError") and "gloo" in fault
+    wait_event(metrics, lambda e: e["event"] == "start" and e["restart"] == 1, 60, agent, "the restart")
+    assert time.monotonic() - killed < 20  # monitor interval + start-up; a held worker would add 30 s
+    assert finish(agent, 90) == 0
+    log = agent.output()
+    assert "reported to the etcd-ext agent" in log
+    assert (0, 128 + signal.SIGTERM) in exit_lines(agent)  # stopped by its agent, promptly
+    assert of(events(metrics), "done")[-1]["params_sha256"] == ref.sha256

@@ -1,0 +1,94 @@
+"""The trainer with damaged snapshots, another model's snapshots, and a full disk (one process)."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from support.processes import ProcessSet
+from support.trainer_runs import env, events, finish, of, run_to_end, trainer_cmd
+
+from elastic_ext.snapshot import manifest_name, payload_name
+
+ARGS = ("--steps", "30", "--global-batch-size", "8", "--dataset-size", "64", "--seed", "3")
+
+
+def _args(snaps: Path, metrics: Path, *extra: str) -> list[str]:
+    return trainer_cmd(*ARGS, "--snapshot-dir", str(snaps), "--snapshot-every", "10",
+                       "--metrics", str(metrics), *extra)
+
+
+@pytest.mark.timeout(120)
+def test_damaged_newest_snapshot_falls_back_and_another_model_is_refused(
+        processes: ProcessSet, tmp_path: Path) -> None:
+    snaps, metrics = tmp_path / "snaps", tmp_path / "m.jsonl"
+    run_to_end(processes, "first", _args(snaps, metrics), timeout=60)
+    uninterrupted = of(events(metrics), "done")[-1]["params_sha256"]
+
+    # Corrupt: one flipped byte in the middle of the newest payload.
+    newest = snaps / payload_name(30)
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    newest.write_bytes(bytes(data))
+    second = run_to_end(processes, "corrupt", _args(snaps, metrics), timeout=60)
+    assert of(events(metrics), "start")[-1]["resumed_from"] == 20
+    assert f"skipping snapshot {snaps / manifest_name(30)}" in second.output()
+    assert of(events(metrics), "done")[-1]["params_sha256"] == uninterrupted
+
+    # Truncated: the newest payload (rewritten by the run above) cut short.
+    with open(snaps / payload_name(30), "r+b") as f:
+        f.truncate(1000)
+    third = run_to_end(processes, "truncated", _args(snaps, metrics), timeout=60)
+    assert of(events(metrics), "start")[-1]["resumed_from"] == 20
+    assert f"skipping snapshot {snaps / manifest_name(30)}" in third.output()
+    assert "truncated" in third.output()
+    assert of(events(metrics), "done")[-1]["params_sha256"] == uninterrupted
+
+    # Another model: refused with a clear error, nothing trained, snapshots untouched.
+    before = sorted(p.name for p in snaps.iterdir())
+    other = processes.spawn("other-model", _args(snaps, metrics, "--model-size", "small"), env=env())
+    assert finish(other, 60) != 0
+    assert "SnapshotMismatchError" in other.output() and "different model" in other.output()
+    assert sorted(p.name for p in snaps.iterdir()) == before
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """120 KiB: room for two snapshots of the tiny model (~43 KB each), not for a third."""
+    mount_point = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=120k", "tmpfs", str(mount_point)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); "
+                    "tests/test_snapshot.py covers ENOSPC through /dev/full")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+@pytest.mark.timeout(120)
+def test_disk_full_training_goes_on_and_the_previous_snapshot_loads(
+        processes: ProcessSet, tmp_path: Path, small_tmpfs: Path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    args = trainer_cmd(*ARGS, "--snapshot-dir", str(small_tmpfs), "--snapshot-every", "5",
+                       "--metrics", str(metrics))
+    first = processes.spawn("full", args, env=env())
+    code = finish(first, 60)
+    log = first.output()
+    evs = events(metrics)
+    assert [e["step"] for e in of(evs, "snapshot")] == [5, 10]
+    assert "snapshot of step 15 failed, training goes on" in log and "No space left on device" in log
+    assert max(e["step"] for e in of(evs, "step")) == 30  # it trained on past the failures
+    # The last snapshot is the job's result: failing to write it is an error, and a clear one.
+    assert code == 1 and not of(evs, "done")
+    assert "could not write the snapshot of step 30" in log and "older snapshots are kept" in log
+    assert not [p for p in small_tmpfs.iterdir() if p.name.endswith(".tmp")]
+
+    second = processes.spawn("after", args, env=env())
+    finish(second, 60)
+    assert of(events(metrics), "start")[-1]["resumed_from"] == 10

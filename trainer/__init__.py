@@ -1,0 +1,1 @@
+"""The bundled elastic DDP trainer (``torchrun ... -m trainer``); see ``trainer.cli``."""

@@ -1,0 +1,292 @@
+"""The elastic DDP training loop, built on the snapshot hook and the preemption guard."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import math
+import os
+import signal
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from elastic_ext.preemption import GuardSettings, PreemptionGuard, exit_now
+from elastic_ext.snapshot import SnapshotError, SnapshotInfo, Snapshotter
+from trainer.data import DataPosition, next_batch, shard
+from trainer.metrics import MetricsLog
+from trainer.model import MODEL_SIZES, SyntheticTask, build_model, params_sha256
+
+logger = logging.getLogger(__name__)
+
+NCCL_ERROR_HANDLING = "2"
+"""TORCH_NCCL_ASYNC_ERROR_HANDLING for the trainer: CleanUpOnly. torchrun's default (1,
+TearDown) aborts the process when a collective fails, so the worker could never report
+the failure to its agent and hold; with 2 the communicators are aborted and the
+failure is raised in the training thread instead."""
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Everything the CLI sets; see ``trainer.cli`` for what each means."""
+
+    steps: int = 100
+    global_batch_size: int = 32
+    snapshot_dir: Path | None = None
+    snapshot_every: int = 0
+    keep: int = 3
+    seed: int = 0
+    metrics: Path | None = None
+    step_delay: float = 0.0
+    model_size: str = "tiny"
+    dataset_size: int = 1024
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    collective_timeout: float = 60.0
+    stop_grace: float = 3.0
+    preempt_grace: float = 30.0
+    hold_timeout: float = 60.0
+    record_samples: Path | None = None
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """What torchrun tells a worker through its environment (or a lone process's defaults)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    restart: int
+    run_id: str
+    under_launcher: bool
+
+    @classmethod
+    def from_environ(cls) -> DistEnv:
+        env = os.environ
+        return cls(rank=int(env.get("RANK", 0)), world_size=int(env.get("WORLD_SIZE", 1)),
+                   local_rank=int(env.get("LOCAL_RANK", 0)),
+                   restart=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                   run_id=env.get("TORCHELASTIC_RUN_ID", f"pid{os.getpid()}"),
+                   under_launcher="MASTER_ADDR" in env and "RANK" in env)
+
+
+def lr_factor(step: int, total: int, warmup: int) -> float:
+    """Linear warmup, then cosine decay to 10%: a function of the step only, not of the world size."""
+    ramp = min(1.0, (step + 1) / max(1, warmup))
+    progress = min(step, total) / max(1, total)
+    return ramp * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def init_distributed(env: DistEnv, timeout_s: float) -> torch.device:
+    """NCCL with one GPU per LOCAL_RANK when CUDA is available, gloo otherwise; short timeouts."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if torch.cuda.is_available():
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ERROR_HANDLING
+        torch.cuda.set_device(env.local_rank)
+        backend, device = "nccl", torch.device("cuda", env.local_rank)
+    else:
+        backend, device = "gloo", torch.device("cpu")
+    if env.under_launcher:
+        dist.init_process_group(backend, timeout=timeout)
+    else:  # a lone process: same code path, a one-rank group
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    return device
+
+
+class SampleRecorder:
+    """Test-only: every rank appends the ids it trained on, one JSON line per step."""
+
+    def __init__(self, path: Path, rank: int, world_size: int, incarnation: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._base = {"rank": rank, "world_size": world_size, "incarnation": incarnation}
+
+    def record(self, step: int, epoch: int, ids: torch.Tensor) -> None:
+        line = json.dumps({**self._base, "step": step, "epoch": epoch, "ids": ids.tolist()}) + "\n"
+        os.write(self._fd, line.encode())  # one write per line: ranks' lines never interleave
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+               scheduler: torch.optim.lr_scheduler.LRScheduler, task: SyntheticTask,
+               ids: torch.Tensor, global_batch_size: int, world_size: int,
+               device: torch.device) -> torch.Tensor:
+    """One optimizer step on this rank's share; returns the share's summed loss.
+
+    The loss is scaled so that DDP's average over ranks is the mean over the global
+    batch: gradients, and so the learning rate, do not depend on the world size.
+    """
+    inputs = task.inputs[ids].to(device, non_blocking=True)
+    targets = task.targets[ids].to(device, non_blocking=True)
+    optimizer.zero_grad(set_to_none=True)
+    per_sample = ((model(inputs) - targets) ** 2).mean(dim=1)
+    loss_sum = per_sample.sum()
+    (loss_sum * (world_size / global_batch_size)).backward()
+    optimizer.step()
+    scheduler.step()
+    result: torch.Tensor = loss_sum.detach()
+    return result
+
+
+def _report_snapshot(metrics: MetricsLog, step: int, future: Future[SnapshotInfo | None]) -> None:
+    """Runs in the writer thread when a background snapshot is durable (or failed)."""
+    try:
+        info = future.result()
+    except Exception as exc:
+        logger.error("snapshot of step %d failed, training goes on: %s", step, exc)
+        return
+    if info is not None:
+        metrics.emit("snapshot", step, blocking_s=info.blocking_s, write_s=info.write_s,
+                     bytes=info.size)
+
+
+class Trainer:
+    """One worker's run: restore, train, snapshot, and stop on a signal."""
+
+    def __init__(self, settings: TrainSettings, guard: PreemptionGuard) -> None:
+        self.settings = settings
+        self.guard = guard
+        self.env = DistEnv.from_environ()
+        self.device = init_distributed(self.env, settings.collective_timeout)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        if settings.global_batch_size < self.world_size:
+            raise ValueError(f"--global-batch-size {settings.global_batch_size} is smaller than "
+                             f"the world size {self.world_size}")
+        self.metrics = MetricsLog(settings.metrics, enabled=self.rank == 0,
+                                  world_size=self.world_size, restart=self.env.restart)
+        size = MODEL_SIZES[settings.model_size]
+        self.task = SyntheticTask.make(size, settings.seed, settings.dataset_size)
+        self.model = build_model(size, settings.seed).to(self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, weight_decay=0.01)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, partial(lr_factor, total=settings.steps, warmup=settings.warmup_steps))
+        self.snapshots = (Snapshotter(settings.snapshot_dir, keep=settings.keep)
+                          if settings.snapshot_dir is not None else None)
+        self.recorder = (SampleRecorder(settings.record_samples, self.rank, self.world_size,
+                                        f"{self.env.run_id}/{self.env.restart}")
+                         if settings.record_samples is not None else None)
+        self.step = 0
+        self.position = DataPosition()
+
+    def _state(self) -> dict[str, Any]:
+        s = self.settings
+        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
+                "data": {**self.position.to_state(), "seed": s.seed, "dataset_size": s.dataset_size,
+                         "global_batch_size": s.global_batch_size}}
+
+    def restore(self) -> int | None:
+        if self.snapshots is None:
+            return None
+        restored = self.snapshots.restore(
+            {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler})
+        if restored is None:
+            return None
+        data = restored.state["data"]
+        s = self.settings
+        if (data["seed"], data["dataset_size"]) != (s.seed, s.dataset_size):
+            raise SnapshotError(f"{restored.path} was taken with --seed {data['seed']} and "
+                                f"--dataset-size {data['dataset_size']}; this run has {s.seed} and "
+                                f"{s.dataset_size}, so its data order would not continue")
+        if data["global_batch_size"] != s.global_batch_size:
+            logger.warning("global batch size changed from %d to %d; the epoch continues at sample %d",
+                           data["global_batch_size"], s.global_batch_size, data["offset"])
+        self.step = restored.step
+        self.position = DataPosition.from_state(data)
+        return restored.step
+
+    def run(self) -> int:
+        s = self.settings
+        resumed_from = self.restore()
+        self.metrics.emit("start", self.step, resumed_from=resumed_from)
+        logger.info("rank %d/%d pid %d starting at step %d (%s)", self.rank, self.world_size,
+                    os.getpid(), self.step, "resumed" if resumed_from is not None else "fresh")
+        ddp = DistributedDataParallel(
+            self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        while self.step < s.steps:
+            ids, after = next_batch(self.position, s.seed, s.global_batch_size, s.dataset_size)
+            mine = shard(ids, self.rank, self.world_size)
+            try:
+                loss_sum = train_step(ddp, self.optimizer, self.scheduler, self.task, mine,
+                                      s.global_batch_size, self.world_size, self.device)
+                if self.recorder is not None:
+                    self.recorder.record(self.step + 1, after.epoch, mine)
+                if s.step_delay > 0:
+                    time.sleep(s.step_delay)
+                agreed = self.guard.agree(loss_sum.reshape(1))
+            except Exception as exc:
+                exit_now(self.guard.failure_exit_code(exc))  # re-raises what is not a peer's fault
+            self.step += 1
+            self.position = after
+            assert agreed.values is not None
+            self.metrics.emit("step", self.step, loss=agreed.values[0].item() / s.global_batch_size)
+            if agreed.stop:
+                self._preempted()
+            if (self.snapshots is not None and s.snapshot_every > 0 and self.step % s.snapshot_every == 0
+                    and self.step < s.steps):
+                future = self.snapshots.commit(self.step, self._state())
+                future.add_done_callback(partial(_report_snapshot, self.metrics, self.step))
+        self.guard.begin_commit()
+        if resumed_from != self.step:  # a restart of a finished run has nothing new to commit
+            self._commit_now()
+        digest = params_sha256(self.model)
+        self.metrics.emit("done", self.step, params_sha256=digest)
+        logger.info("done at step %d, params sha256 %s", self.step, digest)
+        self.close()
+        return 0
+
+    def _commit_now(self) -> None:
+        if self.snapshots is None:
+            return
+        try:
+            info = self.snapshots.commit_now(self.step, self._state())
+        except SnapshotError as exc:
+            logger.error("%s", exc)
+            exit_now(1)
+        except Exception as exc:
+            exit_now(self.guard.failure_exit_code(exc))
+        if info is not None:
+            self.metrics.emit("snapshot", self.step, blocking_s=info.blocking_s,
+                              write_s=info.write_s, bytes=info.size)
+
+    def _preempted(self) -> None:
+        received = self.guard.signalled
+        logger.warning("stopping at step %d: %s", self.step,
+                       f"got {signal.Signals(received).name}" if received else "a peer was signalled")
+        self._commit_now()
+        self.metrics.emit("preempted", self.step,
+                          signal=signal.Signals(received).name if received else None)
+        code = self.guard.preempted_exit_code()
+        self.close(destroy=False)
+        exit_now(code)
+
+    def close(self, destroy: bool = True) -> None:
+        if self.snapshots is not None:
+            self.snapshots.close()
+        if self.recorder is not None:
+            self.recorder.close()
+        self.metrics.close()
+        if destroy:
+            dist.destroy_process_group()
+
+
+def run(settings: TrainSettings) -> int:
+    guard = PreemptionGuard(GuardSettings(stop_grace_s=settings.stop_grace,
+                                          preempt_grace_s=settings.preempt_grace,
+                                          hold_timeout_s=settings.hold_timeout)).install()
+    trainer = Trainer(settings, guard)
+    code = trainer.run()
+    guard.uninstall()
+    return code
