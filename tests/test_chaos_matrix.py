@@ -6,7 +6,8 @@ bundled trainer), asserts the harness found no broken invariant, and then checks
 that scenario is about (no step lost at a join, no restart for an etcd failure, ...).
 
 CI runs the ``ci`` group (``matrix.CI``). The rest is marked ``chaos_full`` and runs
-only with ``ELASTIC_EXT_CHAOS_FULL=1``; the whole matrix is::
+only when asked for, with ``ELASTIC_EXT_CHAOS_FULL=1`` or ``-m chaos_full`` (the latter
+selects just the rest); the whole matrix is::
 
     ELASTIC_EXT_CHAOS_FULL=1 flock /tmp/elastic-ext-heavy.lock python -m pytest -p no:cacheprovider \\
         tests/test_chaos_matrix.py
@@ -42,9 +43,14 @@ def _cases() -> Iterator[object]:
     for name in matrix.GROUPS["full"]:
         marks: list[pytest.MarkDecorator] = [pytest.mark.timeout(matrix.scenario(name).settings.timeout + 240)]
         if name not in matrix.CI:
-            marks += [pytest.mark.chaos_full,
-                      pytest.mark.skipif(not FULL, reason="full chaos matrix: set ELASTIC_EXT_CHAOS_FULL=1")]
+            marks.append(pytest.mark.chaos_full)
         yield pytest.param(name, marks=marks, id=name)
+
+
+def _full_requested(config: pytest.Config) -> bool:
+    """ELASTIC_EXT_CHAOS_FULL=1, or a ``-m`` expression that asks for chaos_full."""
+    expression = str(config.getoption("markexpr", "") or "")
+    return FULL or ("chaos_full" in expression and "not chaos_full" not in expression)
 
 
 def _explain(result: RunResult) -> str:
@@ -76,7 +82,9 @@ NOTHING_LOST = {"join", "preempt", *NO_RESTART}
 
 
 @pytest.mark.parametrize("name", list(_cases()))
-def test_scenario(name: str, tmp_path: Path, reference_cache: Path) -> None:
+def test_scenario(name: str, tmp_path: Path, reference_cache: Path, request: pytest.FixtureRequest) -> None:
+    if name not in matrix.CI and not _full_requested(request.config):
+        pytest.skip("full chaos matrix: set ELASTIC_EXT_CHAOS_FULL=1 or select -m chaos_full")
     result = run_scenario(matrix.scenario(name), RunOptions(workdir=tmp_path, reference_cache=reference_cache))
     if result.skipped:
         pytest.skip(result.skipped)

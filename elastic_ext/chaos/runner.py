@@ -41,11 +41,11 @@ from elastic_ext.chaos.scenario import Scenario, Trigger
 from elastic_ext.local.etcd import call_here
 from elastic_ext.local.job import JobSpec, LocalJob
 from elastic_ext.local.processes import Proc
+from elastic_ext.snapshot import parse_name
 
 logger = logging.getLogger(__name__)
 
 TICK = 0.1  # seconds between two looks at the job
-_SNAPSHOT_MANIFEST = re.compile(r"^snapshot-(\d{10})\.json$")
 _PORT_LINES = (re.compile(r"workers' store at [^\s:]+:(\d+)"), re.compile(r"master_port=(\d+)"))
 
 
@@ -215,9 +215,9 @@ class ScenarioRun:
         self.tail.poll()
         with contextlib.suppress(OSError):
             for entry in self.snapshot_dir.iterdir():
-                match = _SNAPSHOT_MANIFEST.match(entry.name)
-                if match:
-                    self.snapshots_seen.setdefault(int(match.group(1)), time.time())
+                parsed = parse_name(entry.name)  # a manifest exists only once its snapshot is durable
+                if parsed is not None and parsed[1] == "json":
+                    self.snapshots_seen.setdefault(parsed[0], time.time())
 
     def _undo(self, undo: Undo) -> None:
         try:

@@ -234,9 +234,10 @@ class SlurmLab:
         with open(_ALLOC_LOCK, "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             self._remove_leftovers()
-            self._allocate()
+            route = self._allocate()
             # The safety net goes in first: from here on, no lab address routes off the machine.
-            _run(["ip", "route", "add", "blackhole", self._route])
+            _run(["ip", "route", "add", "blackhole", route])
+            self._route = route
         assert self.root is not None
         (self.root / "log").mkdir()
         self._network()
@@ -286,7 +287,7 @@ class SlurmLab:
             if route:
                 _run(["ip", "route", "del", "blackhole", route], check=False)
 
-    def _allocate(self) -> None:
+    def _allocate(self) -> str:
         """A lab directory and the first 10.231.X.0/24 that no route of this machine mentions."""
         routes = _run(["ip", "-4", "route", "show", "table", "all"]).stdout
         used = set(re.findall(rf"\b{re.escape(NET_BASE)}\.(\d+)\.", routes))
@@ -297,8 +298,9 @@ class SlurmLab:
         self.root = Path(tempfile.mkdtemp(prefix="eeslurm-", dir="/tmp"))
         self.root.chmod(0o755)  # munged (user munge) must reach its own directory below
         (self.root / "owner").write_text(f"{os.getpid()}\n")
-        self._route = f"{self.net}.0/24"
-        (self.root / "route").write_text(self._route + "\n")
+        route = f"{self.net}.0/24"
+        (self.root / "route").write_text(route + "\n")
+        return route
 
     def _ip(self, host: str, *args: str) -> None:
         _run(["nsenter", f"--net={self.ns(host)}", "ip", *args])
