@@ -52,6 +52,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from elastic_ext.local.processes import pid_alive
+
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -207,16 +209,6 @@ def shape_mismatches(expected: Mapping[str, Any], found: Mapping[str, Any]) -> l
 
 
 # ------------------------------------------------------------------- side effects
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -732,7 +724,7 @@ class Snapshotter:
             _fsync_dir(self.directory)
 
     def _remove_stale_tmp(self) -> None:
-        for name in stale_tmp_files(os.listdir(self.directory), socket.gethostname(), _pid_alive):
+        for name in stale_tmp_files(os.listdir(self.directory), socket.gethostname(), pid_alive):
             logger.info("removing %s, left by a writer that died", self.directory / name)
             (self.directory / name).unlink(missing_ok=True)
 

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 from elastic_ext.chaos.invariants import listening_ports
 from elastic_ext.local.job import Host
+from elastic_ext.local.processes import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -161,13 +162,7 @@ def _owner_alive(path: Path) -> bool:
         pid = int(path.read_text().strip())
     except (OSError, ValueError):
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_alive(pid)
 
 
 @contextlib.contextmanager

@@ -36,6 +36,21 @@ def tagged_pids(tag: str) -> list[int]:
     return found
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (ours or not); a zombie counts as dead."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def signal_pids(pids: Iterable[int], sig: int) -> None:
     for pid in pids:
         try:

@@ -42,6 +42,7 @@ from elastic_ext.local.processes import (
     TAG_ENV,
     Proc,
     ProcessSet,
+    pid_alive,
     signal_pids,
     tagged_pids,
     wait_until,
@@ -149,10 +150,10 @@ def _kill_and_wait(pids: set[int], timeout: float = 10) -> list[int]:
     signal_pids(pids, signal.SIGCONT)
     signal_pids(pids, signal.SIGKILL)
     try:
-        wait_until(lambda: not any(_alive(p) for p in pids), timeout, 0.05, "processes to die")
+        wait_until(lambda: not any(pid_alive(p) for p in pids), timeout, 0.05, "processes to die")
     except TimeoutError:
         pass
-    return sorted(p for p in pids if _alive(p))
+    return sorted(p for p in pids if pid_alive(p))
 
 
 def _remove_lab_dir(root: Path) -> list[str]:
@@ -280,7 +281,7 @@ class SlurmLab:
                 owner = int((root / "owner").read_text().split()[0])
             except (OSError, ValueError, IndexError):
                 continue
-            if _alive(owner):
+            if pid_alive(owner):
                 continue
             route = (root / "route").read_text().strip() if (root / "route").exists() else None
             _remove_lab_dir(root)
@@ -486,7 +487,7 @@ PartitionName=urgent Nodes={node_list} MaxTime=INFINITE State=UP PriorityTier=10
                 comm = Path(f"/proc/{pid}/comm").read_text().strip()
             except OSError:
                 continue
-            if _alive(pid):
+            if pid_alive(pid):
                 found[pid] = comm
         return found
 
@@ -504,17 +505,4 @@ PartitionName=urgent Nodes={node_list} MaxTime=INFINITE State=UP PriorityTier=10
             return ""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie is dead for our purposes
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
