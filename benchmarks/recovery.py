@@ -42,7 +42,8 @@ def rendezvous_reached(log: str) -> float | None:
     return stamp.replace(tzinfo=dt.timezone.utc).timestamp()
 
 
-def one_run(store: str, scenario: str, workdir: Path, timeout: float, step_delay: float) -> float | None:
+def one_run(store: str, scenario: str, workdir: Path, timeout: float,
+            step_delay: float) -> float | None:
     metrics = workdir / "metrics.jsonl"
     command = ["-m", "trainer", "--steps", "100000", "--global-batch-size", "24",
                "--snapshot-dir", str(workdir / "snapshots"), "--snapshot-every", "20",
@@ -73,7 +74,8 @@ def one_run(store: str, scenario: str, workdir: Path, timeout: float, step_delay
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=90.0,
                         help="seconds after the fault before a run counts as never recovered")
@@ -91,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
                     seconds = one_run(store, scenario, workdir, args.timeout, args.step_delay)
                     results.setdefault((store, scenario), []).append(seconds)
                     shown = "never" if seconds is None else f"{seconds:.2f}s"
-                    print(f"  rep {rep + 1}: {store:<10} {scenario:<10} {shown}", file=sys.stderr, flush=True)
-    label = {"stock-c10d": "stock c10d", "etcd": "etcd-ext (etcd)", "embedded": "etcd-ext (embedded)"}
+                    print(f"  rep {rep + 1}: {store:<10} {scenario:<10} {shown}", file=sys.stderr,
+                          flush=True)
+    label = {"stock-c10d": "stock c10d", "etcd": "etcd-ext (etcd)",
+             "embedded": "etcd-ext (embedded)"}
     print(f"\nRecovery: seconds from the fault to the first step in the new world "
           f"({args.reps} runs each, timeout {args.timeout:g}s)\n")
     print("| scenario | backend | median | min | max | never recovered |")
@@ -102,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
             values = results[(store, scenario)]
             ok = [v for v in values if v is not None]
             fmt = (lambda v: f"{v:.1f}") if ok else (lambda v: "-")
-            stats = (fmt(statistics.median(ok)), fmt(min(ok)), fmt(max(ok))) if ok else ("-", "-", "-")
-            print(f"| {scenario} | {label.get(store, store)} | {stats[0]} | {stats[1]} | {stats[2]} | "
-                  f"{len(values) - len(ok)} of {len(values)} |")
+            stats = ((fmt(statistics.median(ok)), fmt(min(ok)), fmt(max(ok))) if ok
+                     else ("-", "-", "-"))
+            print(f"| {scenario} | {label.get(store, store)} | {stats[0]} | {stats[1]} | "
+                  f"{stats[2]} | {len(values) - len(ok)} of {len(values)} |")
     return 0
 
 

@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                 results.setdefault((store, nnodes), []).append(r)
                 print(f"  rep {rep + 1}: {store:<10} --nnodes={nnodes}  rendezvous {r[0]:.2f}s  "
                       f"wall {r[1]:.2f}s", file=sys.stderr, flush=True)
-    label = {"stock-c10d": "stock c10d", "etcd": "etcd-ext (etcd)", "embedded": "etcd-ext (embedded)"}
+    label = {"stock-c10d": "stock c10d", "etcd": "etcd-ext (etcd)",
+             "embedded": "etcd-ext (embedded)"}
     print(f"\n3 local agents, one gloo worker each; median of {args.reps} runs (min-max)\n")
     print("| --nnodes | backend | rendezvous of all 3 (s) | spawn to all agents done (s) |")
     print("|---|---|---|---|")
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         rdzv = [r[0] for r in results[(store, nnodes)]]
         wall = [r[1] for r in results[(store, nnodes)]]
         print(f"| {nnodes} | {label[store]} | {statistics.median(rdzv):.2f} ({min(rdzv):.2f}-"
-              f"{max(rdzv):.2f}) | {statistics.median(wall):.1f} ({min(wall):.1f}-{max(wall):.1f}) |")
+              f"{max(rdzv):.2f}) | {statistics.median(wall):.1f} "
+              f"({min(wall):.1f}-{max(wall):.1f}) |")
     return 0
 
 

@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elastic_ext.snapshot import DEFAULT_WRITER_NICE, WRITER_NICE_ENV, Snapshotter
+from elastic_ext.snapshot import Snapshotter
+from elastic_ext.snapshot.hook import DEFAULT_WRITER_NICE, WRITER_NICE_ENV
 from trainer.model import MODEL_SIZES, SyntheticTask, build_model
 from trainer.train import train_step
 
@@ -110,7 +111,7 @@ def measure_overhead(size_name: str, batch: int, every: int, rounds: int) -> dic
     task = SyntheticTask.make(MODEL_SIZES[size_name], seed=0, dataset_size=batch)
     ids = torch.arange(batch)
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     ddp = DistributedDataParallel(model)
     directory = Path(tempfile.mkdtemp(prefix="snapshot-overhead-"))
     snaps = Snapshotter(directory, keep=2)
@@ -155,15 +156,18 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-size", default="100mb", choices=sorted(MODEL_SIZES))
     parser.add_argument("--batch", type=int, nargs="+", default=[256, 1024],
-                        help="batch sizes for the overhead measurement (the step time grows with it)")
+                        help="batch sizes for the overhead measurement "
+                             "(the step time grows with it)")
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=10,
                         help="blocks of --every steps with and (as many) without snapshots")
     parser.add_argument("--spare-core", action="store_true",
-                        help="also measure batch 256 with one training thread, leaving a core to the writer "
-                             "(as on a GPU machine, whose CPU cores are mostly idle)")
-    parser.add_argument("--repeats", type=int, default=7, help="commits / saves for the blocking medians")
-    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
+                        help="also measure batch 256 with one training thread, leaving a core to "
+                             "the writer (as on a GPU machine, whose CPU cores are mostly idle)")
+    parser.add_argument("--repeats", type=int, default=7,
+                        help="commits / saves for the blocking medians")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="where to write (default: a temp dir)")
     args = parser.parse_args()
 
     directory = Path(tempfile.mkdtemp(prefix="snapshot-bench-", dir=args.dir))
@@ -178,8 +182,8 @@ def main() -> None:
     if args.spare_core:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
-        overheads["batch 256, 1 training thread"] = measure_overhead(args.model_size, 256, args.every,
-                                                                     args.rounds)
+        overheads["batch 256, 1 training thread"] = measure_overhead(args.model_size, 256,
+                                                                     args.every, args.rounds)
         torch.set_num_threads(threads)
 
     mb = blocking["bytes"] / 1e6
@@ -192,9 +196,12 @@ def main() -> None:
           f"load average at the end {os.getloadavg()[0]:.2f}; writer nice {nice}\n")
     print("| measure | value | target |")
     print("| --- | --- | --- |")
-    print(f"| loop blocked per commit (median of {args.repeats}) | {blocking['blocking'] * 1e3:.1f} ms | |")
-    print(f"| synchronous `torch.save` of the same state (median) | {blocking['save'] * 1e3:.0f} ms | |")
-    print(f"| synchronous `torch.save` + fsync (median) | {blocking['save_fsync'] * 1e3:.0f} ms | |")
+    print(f"| loop blocked per commit (median of {args.repeats}) | "
+          f"{blocking['blocking'] * 1e3:.1f} ms | |")
+    print(f"| synchronous `torch.save` of the same state (median) | "
+          f"{blocking['save'] * 1e3:.0f} ms | |")
+    print(f"| synchronous `torch.save` + fsync (median) | "
+          f"{blocking['save_fsync'] * 1e3:.0f} ms | |")
     print(f"| **blocking / synchronous save** | **{ratio:.1%}** | <= 20% |")
     print(f"| background write per commit, alone (save, sha256, fsync, rename) | "
           f"{blocking['write'] * 1e3:.0f} ms | |")

@@ -10,7 +10,8 @@ import sys
 SUBCOMMANDS = {
     "status": ("elastic_ext.ops", "show a run's round, members, restarts and newest snapshot"),
     "list": ("elastic_ext.ops", "list the run ids under the key prefix"),
-    "chaos": ("elastic_ext.chaos.cli", "run a local job under a fault scenario and check invariants"),
+    "chaos": ("elastic_ext.chaos.cli",
+              "run a local job under a fault scenario and check invariants"),
 }
 
 

@@ -31,11 +31,18 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 class AgentControl:
-    """The agent's end: publishes the current round, reads workers' fault reports."""
+    """The agent's end: publishes the current round, reads workers' fault reports.
 
-    def __init__(self) -> None:
-        self.path = Path(tempfile.mkdtemp(prefix="elastic-ext-ctl-"))
-        os.environ[CONTROL_DIR_ENV] = str(self.path)
+    By default it makes a fresh private directory and exports it to the workers the
+    agent starts (through this process's environment); ``path`` uses a given directory
+    and exports nothing (in-process tests).
+    """
+
+    def __init__(self, path: Path | None = None) -> None:
+        self._exported = path is None
+        self.path = Path(tempfile.mkdtemp(prefix="elastic-ext-ctl-")) if path is None else path
+        if self._exported:
+            os.environ[CONTROL_DIR_ENV] = str(self.path)
 
     def publish_round(self, round_: int) -> None:
         for stale in self.path.glob("fault-*"):
@@ -50,15 +57,11 @@ class AgentControl:
             return None
 
     def close(self) -> None:
+        if not self._exported:
+            return
         if os.environ.get(CONTROL_DIR_ENV) == str(self.path):
             del os.environ[CONTROL_DIR_ENV]
         shutil.rmtree(self.path, ignore_errors=True)
-
-
-def agent_is_listening() -> bool:
-    """True when this worker was started by an etcd-ext agent that reads fault reports."""
-    path = os.environ.get(CONTROL_DIR_ENV)
-    return bool(path) and (Path(path) / _ROUND_FILE).exists()
 
 
 def report_peer_failure(reason: str) -> bool:

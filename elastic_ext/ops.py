@@ -16,9 +16,13 @@ from typing import Any, TextIO
 
 from elastic_ext.rendezvous.backend import StoreBackend, parse_beat
 from elastic_ext.rendezvous.errors import ConfigError
+from elastic_ext.rendezvous.factory import open_backend
 from elastic_ext.rendezvous.liveness import LEFT
 from elastic_ext.rendezvous.settings import Settings, parse_settings
 from elastic_ext.rendezvous.state import Phase, RunState
+
+LIST_RUN_ID = "elastic-ext-list"
+"""``list`` looks at the whole key prefix; the settings it opens the store with still name a run."""
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -44,15 +48,10 @@ def parse_conf(text: str) -> dict[str, str]:
 
 
 def connect(endpoint: str, run_id: str, conf: Mapping[str, str]) -> tuple[Settings, StoreBackend]:
+    """The run's backend for a read-only look: a short connect timeout, never hosting."""
     settings = parse_settings(endpoint=endpoint, run_id=run_id, min_nodes=1, max_nodes=1,
                               conf={"connect_timeout": "5", **conf})
-    if settings.store == "c10d":
-        from elastic_ext.rendezvous.c10d_backend import C10dBackend, connect_tcp_store
-
-        return settings, C10dBackend(settings, connect_tcp_store(settings, host_if_possible=False))
-    from elastic_ext.rendezvous.etcd_backend import EtcdBackend
-
-    return settings, EtcdBackend(settings)
+    return settings, open_backend(settings, may_host=False)
 
 
 def describe(state: RunState | None, beats: Mapping[str, bytes | None], now: float,
@@ -136,12 +135,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
 
 
 def _list(endpoint: str, conf: Mapping[str, str], as_json: bool, out: TextIO) -> int:
-    settings, backend = connect(endpoint, "x", conf)
-    client = getattr(backend, "client", None)
-    if client is None:
-        raise ConfigError("list needs etcd: the embedded store cannot enumerate keys")
-    prefix = settings.key_prefix.rstrip("/") + "/"
-    runs = sorted({kv.key.decode()[len(prefix):].split("/", 1)[0]
-                   for kv in client.get_prefix(prefix)})
+    _, backend = connect(endpoint, LIST_RUN_ID, conf)
+    runs = backend.list_runs()
     out.write(json.dumps(runs) + "\n" if as_json else "".join(f"{r}\n" for r in runs))
     return 0

@@ -1,12 +1,14 @@
 """The ``torchrun.handlers`` entry point.
 
 torch imports this module while it imports ``torch.distributed.elastic.rendezvous``,
-so everything heavy is imported lazily inside the creator.
+so, like torch's own ``registry.py``, the creator is thin: it imports the factory
+lazily and injects the backend name.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
@@ -14,12 +16,12 @@ if TYPE_CHECKING:
 BACKEND_NAME = "etcd-ext"
 
 
-def create_handler(params: "RendezvousParameters") -> "RendezvousHandler":
-    from elastic_ext.rendezvous.factory import create_handler as _create
+def _create_etcd_ext_handler(params: RendezvousParameters) -> RendezvousHandler:
+    from elastic_ext.rendezvous.factory import build_handler
 
-    return _create(params)
+    return build_handler(params, BACKEND_NAME)
 
 
-def handler_creator() -> Callable[["RendezvousParameters"], "RendezvousHandler"]:
+def handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:
     """Called by torch's registry with no arguments; returns the handler creator."""
-    return create_handler
+    return _create_etcd_ext_handler

@@ -30,16 +30,22 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from elastic_ext import control
+from elastic_ext.distributed import collective_device, rank
 
 logger = logging.getLogger(__name__)
+
+SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+"""What ``signal.signal`` returns and takes back: a function, SIG_DFL/SIG_IGN, or None."""
+
 
 EXIT_HOLD_TIMEOUT = 1
 """Exit status of a worker that waited for its own signal or for its agent, in vain."""
@@ -79,7 +85,8 @@ class GuardSettings:
     """Which signals mean what, and how long a worker may take to act on them."""
 
     stop_signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)
-    """Agent stops (restart, job cancel): act at the next boundary or leave within ``stop_grace_s``."""
+    """Agent stops (restart, job cancel): act at the next boundary or leave within
+    ``stop_grace_s``."""
     preempt_signals: tuple[int, ...] = (signal.SIGUSR2,)
     """Advance notice (SLURM ``--signal=USR2@120``): a longer grace, the step may be slow."""
     stop_grace_s: float = 3.0
@@ -139,7 +146,7 @@ class PreemptionGuard:
         self._phase = Phase.RUNNING
         self._hold_code = 0  # what a held worker exits with once its signal comes
         self._lock = threading.RLock()
-        self._previous_handlers: dict[int, object] = {}
+        self._previous_handlers: dict[int, SignalHandler] = {}
         self._previous_wakeup_fd = -1
         self._reader: socket.socket | None = None
         self._writer: socket.socket | None = None
@@ -158,7 +165,8 @@ class PreemptionGuard:
             return self
         self._reader, self._writer = socket.socketpair()
         self._writer.setblocking(False)
-        self._previous_wakeup_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+        self._previous_wakeup_fd = signal.set_wakeup_fd(self._writer.fileno(),
+                                                        warn_on_full_buffer=False)
         for signum in self.handled_signals:
             self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
         self._thread = threading.Thread(target=self._watch, name="preemption-watchdog", daemon=True)
@@ -170,7 +178,7 @@ class PreemptionGuard:
         if self._thread is None:
             return
         for signum, handler in self._previous_handlers.items():
-            signal.signal(signum, handler)  # type: ignore[arg-type]
+            signal.signal(signum, handler)
         self._previous_handlers.clear()
         signal.set_wakeup_fd(self._previous_wakeup_fd)
         assert self._writer is not None
@@ -274,7 +282,7 @@ class PreemptionGuard:
             stop = flag > 0
             summed = values.detach().to(torch.float64).flatten() if values is not None else None
         else:
-            device = values.device if values is not None else _default_device(group)
+            device = values.device if values is not None else collective_device(group)
             parts = [torch.tensor([flag], dtype=torch.float64, device=device)]
             if values is not None:
                 parts.append(values.detach().to(device=device, dtype=torch.float64).flatten())
@@ -287,7 +295,8 @@ class PreemptionGuard:
         return Agreement(stop=stop, values=summed)
 
     def begin_commit(self) -> None:
-        """Stand the watchdog down for a commit that is not the result of :meth:`agree` (the last one)."""
+        """Stand the watchdog down for a commit that is not the result of :meth:`agree`
+        (the last one)."""
         self._set_phase(Phase.COMMITTING)
 
     def preempted_exit_code(self) -> int:
@@ -321,7 +330,7 @@ class PreemptionGuard:
             return 128 + self._signalled
         if not is_peer_fault(exc):
             raise exc
-        if not control.report_peer_failure(f"rank {_rank()}: {type(exc).__name__}: {exc}"):
+        if not control.report_peer_failure(f"rank {rank()}: {type(exc).__name__}: {exc}"):
             raise exc
         logger.warning("a collective failed (%s); reported to the etcd-ext agent, waiting up to "
                        "%.0fs for it to stop this worker", exc, self.settings.hold_timeout_s)
@@ -331,16 +340,6 @@ class PreemptionGuard:
         logger.error("the agent did not stop this worker within %.0fs of the reported failure",
                      self.settings.hold_timeout_s)
         return EXIT_HOLD_TIMEOUT
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _default_device(group: dist.ProcessGroup | None) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 __all__ = [

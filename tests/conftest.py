@@ -1,15 +1,11 @@
 from __future__ import annotations
 
 import os
-import socket
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from elastic_ext.local.processes import ProcessSet  # noqa: E402
+from elastic_ext.local.processes import ProcessSet
 
 
 @pytest.fixture
@@ -25,12 +21,6 @@ def processes(tmp_path: Path):
             if os.environ.get("ELASTIC_EXT_SHOW_LOGS"):
                 for proc in pset.procs:
                     print(f"===== {proc.name} =====\n{proc.output()[-20000:]}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -1,48 +1,93 @@
-"""torch's RendezvousBackend token contract, on a real etcd and on the embedded TCPStore.
+"""The ``StoreBackend`` contract on a real etcd, on the embedded TCPStore, and on the
+in-memory test double that the fast handler tests use (so the double is held to it too).
 
 Modelled on torch's own ``RendezvousBackendTestMixin``: current, stale, absent and
-unknown tokens, and corrupt state.
+unknown tokens, and corrupt state; then heartbeats, round stores and run listing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import pytest
-from torch.distributed import TCPStore
+from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousStateError
 
-from conftest import free_port
+from elastic_ext.net import free_port
+from elastic_ext.rendezvous.backend import STATE_KEY, StoreBackend
 from elastic_ext.rendezvous.c10d_backend import C10dBackend
+from elastic_ext.rendezvous.errors import ConfigError
 from elastic_ext.rendezvous.etcd_backend import EtcdBackend
 from elastic_ext.rendezvous.liveness import LEFT
-from support.stores import settings_for
+from elastic_ext.rendezvous.settings import Settings
+from elastic_ext.rendezvous.state import NodeInfo, Phase, RunState
+from tests.support.memory_backend import MemoryBackend, MemoryStore
+from tests.support.stores import plant_etcd_state, settings_for
 
 
-@pytest.fixture(params=["etcd", "c10d"])
-def make_backend(request) -> Iterator:
-    """A factory: make_backend(run_id) -> backend on the parametrized store."""
+@dataclass
+class Store:
+    """One store for the contract tests: backends on it, and raw writes to its keys."""
+
+    make: Callable[..., StoreBackend]
+    plant: Callable[[str, bytes], None]  # (run id, raw value of its state key)
+
+
+@pytest.fixture(params=["etcd", "c10d", "memory"])
+def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    """The parametrized store: a real etcd, a real embedded TCPStore, or the test double."""
     if request.param == "etcd":
-        etcd = request.getfixturevalue("etcd")
+        endpoint = request.getfixturevalue("etcd").members[0].endpoint
 
-        def make(run_id="run1", key_prefix="/elastic-ext"):
-            return EtcdBackend(settings_for(etcd.members[0].endpoint, run_id, key_prefix=key_prefix))
-        yield make
-    else:
+        def make_etcd(run_id: str = "run1", key_prefix: str = "/elastic-ext") -> StoreBackend:
+            return EtcdBackend(settings_for(endpoint, run_id, key_prefix=key_prefix))
+
+        def plant_etcd(run_id: str, raw: bytes) -> None:
+            plant_etcd_state(settings_for(endpoint, run_id), raw)
+        yield Store(make_etcd, plant_etcd)
+    elif request.param == "c10d":
         port = free_port()
         server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           multi_tenant=True, timeout=timedelta(seconds=5))
 
-        def make(run_id="run1", key_prefix="/elastic-ext"):
-            return C10dBackend(settings_for(f"c10d://127.0.0.1:{port}", run_id,
-                                            key_prefix=key_prefix), server)
-        yield make
+        def settings(run_id: str, key_prefix: str = "/elastic-ext") -> Settings:
+            return settings_for(f"c10d://127.0.0.1:{port}", run_id, key_prefix=key_prefix)
+
+        def make_c10d(run_id: str = "run1", key_prefix: str = "/elastic-ext") -> StoreBackend:
+            return C10dBackend(settings(run_id, key_prefix), server)
+
+        def plant_c10d(run_id: str, raw: bytes) -> None:
+            store: Any = PrefixStore(settings(run_id).run_prefix, server)  # stubs say str values
+            store.set(STATE_KEY, raw)
+        yield Store(make_c10d, plant_c10d)
+    else:
+        memory = MemoryStore()
+
+        def make_memory(run_id: str = "run1", key_prefix: str = "/elastic-ext") -> StoreBackend:
+            return MemoryBackend(memory, f"{key_prefix}/{run_id}/")
+
+        def plant_memory(run_id: str, raw: bytes) -> None:
+            memory.plant(f"/elastic-ext/{run_id}/{STATE_KEY}", raw)
+        yield Store(make_memory, plant_memory)
+
+
+@pytest.fixture
+def make_backend(store: Store) -> Callable[..., StoreBackend]:
+    return store.make
 
 
 @pytest.fixture
 def backend(make_backend):
     return make_backend()
+
+
+def state_of(backend: StoreBackend) -> bytes:
+    current = backend.get_state()
+    assert current is not None
+    return current[0]
 
 
 def set_state(backend, state, token=None):
@@ -91,12 +136,9 @@ def test_set_state_with_an_unknown_token_returns_the_current_state(backend):
     assert (state2, token2, has_set) == (state1, token1, False)
 
 
-def test_garbage_in_the_state_key_is_a_state_error_not_a_crash(request, make_backend):
-    backend = make_backend()
-    if isinstance(backend, EtcdBackend):
-        backend.client.put(backend.state_key, b"\x80\x04garbage")
-    else:
-        backend._store.set("state", b"\x80\x04garbage")
+def test_garbage_in_the_state_key_is_a_state_error_not_a_crash(store: Store) -> None:
+    backend = store.make()
+    store.plant("run1", b"\x80\x04garbage")
     with pytest.raises(RendezvousStateError, match="did not write"):
         backend.get_state()
 
@@ -106,7 +148,7 @@ def test_two_run_ids_do_not_see_each_other(make_backend):
     set_state(a, b"a-state")
     assert b.get_state() is None
     set_state(b, b"b-state")
-    assert a.get_state()[0] == b"a-state" and b.get_state()[0] == b"b-state"
+    assert state_of(a) == b"a-state" and state_of(b) == b"b-state"
     a.beat("n1")
     assert b.read_beats(["n1"]) == {"n1": None}
 
@@ -129,7 +171,48 @@ def test_round_store_supports_what_torchs_agent_does_with_it(backend):
     assert store.get("torchelastic/role_info/0") == b"r0"
     assert store.add("counter", 2) == 2 and store.add("counter", 3) == 5
     assert store.check(["a"]) and not store.check(["missing"])
-    with pytest.raises((TimeoutError, RuntimeError)):  # etcd: TimeoutError; TCPStore: DistStoreError
+    # etcd: TimeoutError; TCPStore: DistStoreError
+    with pytest.raises((TimeoutError, RuntimeError)):
         store.wait(["missing"], timedelta(milliseconds=200))
     other_round = backend.round_store("gen1", 4)
     assert not other_round.check(["a"])
+
+
+def test_a_clone_sees_the_same_keys(backend: StoreBackend) -> None:
+    clone = backend.clone()
+    set_state(backend, b"x")
+    backend.beat("n1")
+    assert state_of(clone) == b"x" and clone.read_beats(["n1"])["n1"] is not None
+    clone.close()
+
+
+def test_remove_run_deletes_the_state_and_the_heartbeats(make_backend) -> None:
+    mine, other = make_backend("mine"), make_backend("other")
+    set_state(mine, RunState("gen", 1, Phase.OPEN, {"n1": NodeInfo("h", 1)}).to_bytes())
+    mine.beat("n1")
+    set_state(other, b"other-state")
+    mine.remove_run()
+    assert mine.get_state() is None and mine.read_beats(["n1"]) == {"n1": None}
+    assert state_of(other) == b"other-state"
+
+
+def test_dropped_round_stores_are_gone_where_the_store_can_enumerate_keys(
+        backend: StoreBackend) -> None:
+    backend.round_store("gen1", 1).set("k", "old")
+    backend.round_store("gen1", 2).set("k", "new")
+    backend.drop_round_stores("gen1", 2)
+    assert backend.round_store("gen1", 2).get("k") == b"new"
+    if not isinstance(backend, C10dBackend):  # a TCPStore keeps them for its life (documented)
+        assert not backend.round_store("gen1", 1).check(["k"])
+
+
+def test_list_runs_names_every_run_under_the_prefix(make_backend) -> None:
+    a, b = make_backend("job-a"), make_backend("job-b")
+    set_state(a, b"a")
+    b.beat("n1")
+    if isinstance(a, C10dBackend):
+        with pytest.raises(ConfigError, match="needs etcd"):
+            a.list_runs()
+        return
+    assert a.list_runs() == ["job-a", "job-b"] == b.list_runs()
+    assert make_backend("job-a", key_prefix="/elsewhere").list_runs() == []

@@ -9,8 +9,8 @@ CI runs the ``ci`` group (``matrix.CI``). The rest is marked ``chaos_full`` and 
 only when asked for, with ``ELASTIC_EXT_CHAOS_FULL=1`` or ``-m chaos_full`` (the latter
 selects just the rest); the whole matrix is::
 
-    ELASTIC_EXT_CHAOS_FULL=1 flock /tmp/elastic-ext-heavy.lock python -m pytest -p no:cacheprovider \\
-        tests/test_chaos_matrix.py
+    ELASTIC_EXT_CHAOS_FULL=1 flock /tmp/elastic-ext-heavy.lock python -m pytest \\
+        -p no:cacheprovider tests/test_chaos_matrix.py
 
 Every test has a hard timeout (the scenario's own limit plus room for the reference
 run); the runner kills every process it started by its tag and removes its
@@ -41,7 +41,8 @@ def reference_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _cases() -> Iterator[object]:
     for name in matrix.GROUPS["full"]:
-        marks: list[pytest.MarkDecorator] = [pytest.mark.timeout(matrix.scenario(name).settings.timeout + 240)]
+        marks: list[pytest.MarkDecorator] = [
+            pytest.mark.timeout(matrix.scenario(name).settings.timeout + 240)]
         if name not in matrix.CI:
             marks.append(pytest.mark.chaos_full)
         yield pytest.param(name, marks=marks, id=name)
@@ -82,10 +83,12 @@ NOTHING_LOST = {"join", "preempt", *NO_RESTART}
 
 
 @pytest.mark.parametrize("name", list(_cases()))
-def test_scenario(name: str, tmp_path: Path, reference_cache: Path, request: pytest.FixtureRequest) -> None:
+def test_scenario(name: str, tmp_path: Path, reference_cache: Path,
+                  request: pytest.FixtureRequest) -> None:
     if name not in matrix.CI and not _full_requested(request.config):
         pytest.skip("full chaos matrix: set ELASTIC_EXT_CHAOS_FULL=1 or select -m chaos_full")
-    result = run_scenario(matrix.scenario(name), RunOptions(workdir=tmp_path, reference_cache=reference_cache))
+    result = run_scenario(matrix.scenario(name),
+                          RunOptions(workdir=tmp_path, reference_cache=reference_cache))
     if result.skipped:
         pytest.skip(result.skipped)
     verdict = result.verdict
@@ -100,5 +103,6 @@ def test_scenario(name: str, tmp_path: Path, reference_cache: Path, request: pyt
     if len(EXPECTED_WORLDS[name]) == 1:
         assert verdict.params_check.startswith("equal"), verdict.params_check
     if name == "disk-full":
-        writer_logs = "".join(p.read_text(errors="replace") for p in result.logs.values() if p.exists())
+        writer_logs = "".join(p.read_text(errors="replace") for p in result.logs.values()
+                              if p.exists())
         assert "could not write the snapshot" in writer_logs  # the fault did hit a snapshot

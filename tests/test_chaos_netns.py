@@ -1,4 +1,5 @@
-"""The partition lab on its own: namespaces, the blackhole route, cutting a link, and no trace after.
+"""The partition lab on its own: namespaces, the blackhole route, cutting a link, and no trace
+after.
 
 Needs root; skipped with the reason where namespaces cannot be created. Only
 addresses inside namespaces this test creates are ever used, and the root
@@ -40,15 +41,18 @@ def test_a_lab_cuts_one_node_off_and_leaves_nothing_behind(tmp_path: Path) -> No
     try:
         assert f"blackhole {plan.subnet}" in _routes()
         # from the root namespace the range goes nowhere, not out of the default route
-        failed = subprocess.run(["ip", "route", "get", plan.node_address(1)], capture_output=True, text=True, check=False)
+        failed = subprocess.run(["ip", "route", "get", plan.node_address(1)], capture_output=True,
+                                text=True, check=False)
         assert failed.returncode != 0
         server_host = lab.node_host(1)
         lab.node_host(0)
         assert server_host.prefix == ("ip", "netns", "exec", plan.node_ns(1))
-        script = (f"import socket; s = socket.socket(); s.bind(({server_host.address!r}, 5000)); s.listen()\n"
+        script = ("import socket; s = socket.socket(); "
+                  f"s.bind(({server_host.address!r}, 5000)); s.listen()\n"
                   "while True:\n c, _ = s.accept(); c.sendall(b'ok'); c.close()")
         server = processes.spawn("server", [*server_host.prefix, sys.executable, "-c", script])
-        assert server.pids() == [server.pid]  # ip netns exec replaced itself: the pid is the server's
+        # ip netns exec replaced itself: the pid is the server's
+        assert server.pids() == [server.pid]
 
         def probe() -> bytes:
             with socket.create_connection((server_host.address, 5000), timeout=1) as conn:
@@ -63,7 +67,8 @@ def test_a_lab_cuts_one_node_off_and_leaves_nothing_behind(tmp_path: Path) -> No
         wait_until(lambda: reachable_from(plan.node_ns(0)), 30, 0.1, "the server in node 1")
         assert reachable_from(plan.switch)
         assert lab.listening() == {plan.node_ns(1): {5000}}
-        assert threading.current_thread() is threading.main_thread()  # call_in left this thread alone
+        # call_in left this thread alone
+        assert threading.current_thread() is threading.main_thread()
         lab.cut(1)
         assert not reachable_from(plan.node_ns(0))
         lab.heal(1)

@@ -9,7 +9,7 @@ import argparse
 import io
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -32,8 +32,11 @@ from elastic_ext.chaos.invariants import (
 from elastic_ext.chaos.netns import LabPlan, exec_prefix
 from elastic_ext.chaos.reference import cache_key, trainer_args
 from elastic_ext.chaos.report import step_rate, summary
-from elastic_ext.chaos.runner import MetricsTail, RunResult, ports_in_logs, trigger_met
+from elastic_ext.chaos.runner import MetricsTail, RunResult, trigger_met
 from elastic_ext.chaos.scenario import Action, ScenarioError, Trigger, parse
+from elastic_ext.local.job import Node
+from elastic_ext.local.processes import Proc
+from elastic_ext.rendezvous.events import EventKind, EventLog
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -71,9 +74,11 @@ def test_the_issue_example_parses() -> None:
     ("at step 7: kill worker rank0", Trigger("step", 7), Action("kill-worker", "rank0")),
     ("when world 2: kill node all", Trigger("world", 2), Action("kill-node", "all")),
     ("when recovered: start 2 nodes", Trigger("recovered"), Action("start-node", count=2)),
-    ("after 1.5s: kill etcd all for 20s", Trigger("after", 1.5), Action("kill-etcd", "all", duration=20.0)),
+    ("after 1.5s: kill etcd all for 20s", Trigger("after", 1.5),
+     Action("kill-etcd", "all", duration=20.0)),
     ("AT  STEP 3 :  Fill Disk", Trigger("step", 3), Action("fill-disk")),
-    ("at step 3: partition node other for 2s", Trigger("step", 3), Action("partition", "other", duration=2.0)),
+    ("at step 3: partition node other for 2s", Trigger("step", 3),
+     Action("partition", "other", duration=2.0)),
 ])
 def test_each_trigger_and_action(line: str, trigger: Trigger, action: Action) -> None:
     scenario = parse(f"etcd-members = 3\n{line}\n")
@@ -157,7 +162,8 @@ def test_the_metrics_tail_waits_for_whole_lines(tmp_path: Path) -> None:
 def clean_run(steps: int = 6, world: int = 2) -> list[dict[str, Any]]:
     events = [ev("start", 0, 0.0, world, resumed_from=None)]
     events += [ev("step", s, float(s), world, loss=1.0 / s) for s in range(1, steps + 1)]
-    events += [ev("snapshot", steps, steps + 0.1, world), ev("done", steps, steps + 0.2, world, params_sha256="a" * 64)]
+    events += [ev("snapshot", steps, steps + 0.1, world),
+               ev("done", steps, steps + 0.2, world, params_sha256="a" * 64)]
     return events
 
 
@@ -178,9 +184,11 @@ def test_an_uninterrupted_run_passes() -> None:
     assert verdict.final_step == 6 and verdict.lost_steps == 0
 
 
-def crash_run(resumed_from: int | None, crash: bool, snapshot_logged: bool = True) -> list[dict[str, Any]]:
+def crash_run(resumed_from: int | None, crash: bool,
+              snapshot_logged: bool = True) -> list[dict[str, Any]]:
     """Steps 1-7, a snapshot of 5, a restart at t=20 resuming from ``resumed_from``, done at 10."""
-    events = [ev("start", 0, 0.0, resumed_from=None)] + [ev("step", s, float(s)) for s in range(1, 8)]
+    events = ([ev("start", 0, 0.0, resumed_from=None)]
+              + [ev("step", s, float(s)) for s in range(1, 8)])
     if snapshot_logged:
         events.insert(6, ev("snapshot", 5, 5.5))
     base = resumed_from or 0
@@ -195,14 +203,16 @@ PREEMPT = FaultRecord(7.5, "preempt all", "preempt")
 
 
 def test_a_crash_may_lose_the_steps_after_the_last_snapshot() -> None:
-    verdict = check(observe(crash_run(5, crash=True), steps=10, faults=(FAULT,), reference_sha="b" * 64))
+    verdict = check(observe(crash_run(5, crash=True), steps=10, faults=(FAULT,),
+                            reference_sha="b" * 64))
     assert verdict.ok, verdict.violations
     assert verdict.lost_steps == 2
     assert verdict.restarts[0].crash_allowed and verdict.restarts[0].downtime == pytest.approx(19.0)
 
 
 def test_a_preemption_may_lose_nothing() -> None:
-    verdict = check(observe(crash_run(5, crash=False), steps=10, faults=(PREEMPT,), reference_sha="b" * 64))
+    verdict = check(observe(crash_run(5, crash=False), steps=10, faults=(PREEMPT,),
+                            reference_sha="b" * 64))
     assert [v.invariant for v in verdict.violations] == [LOST_STEPS]
     assert "after preempt all resumed from step 5: steps 6-7 lost though no node crashed" in \
         verdict.violations[0].message
@@ -260,18 +270,34 @@ def test_split_segments_and_listening_ports() -> None:
     segments, stray = split_segments(crash_run(5, crash=True))
     assert not stray and [s.resumed_from for s in segments] == [None, 5]
     assert segments[1].steps == tuple(range(6, 11)) and segments[1].end == "done"
-    tcp = ("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    tcp = ("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  "
+           "timeout inode\n"
            "   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000 0 0 1 1\n"
            "   1: 0100007F:1F91 0100007F:1F90 01 00000000:00000000 00:00000000 00000000 0 0 2 1\n")
     assert listening_ports(tcp) == {8080}
 
 
 # ------------------------------------------------------------------------- small helpers
-def test_ports_in_logs_and_lab_plan() -> None:
-    log = "etcd-ext: round 2 of run chaos: rank 0 of 3, workers' store at 127.0.0.1:44395\n  master_port=44396"
-    assert ports_in_logs([log]) == {44395, 44396}
+def test_a_node_reads_its_rank_store_ports_and_hosting_from_its_agents_events(
+        tmp_path: Path) -> None:
+    path = tmp_path / "events" / "node0.jsonl"
+    node = Node("node0", cast(Proc, None), events_file=path)
+    assert ((node.group_rank(), node.hosts_store(), node.workers_store_ports())
+            == (None, False, set()))
+    log = EventLog("chaos", "node0-id", "127.0.0.1", path)
+    log.emit(EventKind.STARTED, "started", store="c10d-embedded", hosts_store=True)
+    for round_, rank, port in ((1, 0, 44395), (2, 1, 44396)):
+        log.emit(EventKind.JOINED, "joined", round=round_, rank=rank, world_size=2,
+                 master_addr="127.0.0.1", master_port=port)
+    log.close()
+    assert (node.group_rank(), node.hosts_store(), node.workers_store_ports()) == (
+        1, True, {44395, 44396})
+
+
+def test_lab_plan() -> None:
     plan = LabPlan(7)
-    assert (plan.subnet, plan.store_address, plan.node_address(2)) == ("10.201.7.0/24", "10.201.7.1", "10.201.7.12")
+    assert ((plan.subnet, plan.store_address, plan.node_address(2))
+            == ("10.201.7.0/24", "10.201.7.1", "10.201.7.12"))
     assert plan.namespaces(2) == ["eec7-sw", "eec7-n0", "eec7-n1"]
     assert exec_prefix("eec7-n0") == ("ip", "netns", "exec", "eec7-n0")
     with pytest.raises(ValueError):
@@ -280,9 +306,9 @@ def test_ports_in_logs_and_lab_plan() -> None:
 
 def test_the_reference_cache_key_ignores_paths_and_the_delay(tmp_path: Path) -> None:
     def args(delay: float, where: str, seed: int = 3) -> list[str]:
-        return trainer_args(module="trainer", steps=10, global_batch_size=12, seed=seed, snapshot_every=5,
-                            model_size="tiny", step_delay=delay, metrics=tmp_path / where / "m",
-                            snapshot_dir=tmp_path / where / "s")
+        return trainer_args(module="trainer", steps=10, global_batch_size=12, seed=seed,
+                            snapshot_every=5, model_size="tiny", step_delay=delay,
+                            metrics=tmp_path / where / "m", snapshot_dir=tmp_path / where / "s")
     assert cache_key(args(0.05, "a"), 2) == cache_key(args(0.0, "b"), 2)
     assert cache_key(args(0.05, "a"), 2) != cache_key(args(0.05, "a"), 3)
     assert cache_key(args(0.05, "a"), 2) != cache_key(args(0.05, "a", seed=4), 2)
@@ -300,7 +326,8 @@ def fake_result(tmp_path: Path) -> RunResult:
     scenario = parse("nodes = 2\nsteps = 10\nat step 7: kill node other\n", "fake")
     obs = observe(crash_run(5, crash=True), steps=10, faults=(FAULT,), reference_sha="b" * 64,
                   nodes=(NodeOutcome("node0", 0, False), NodeOutcome("node1", -9, True)))
-    return RunResult(scenario, tmp_path, started=-1.0, ended=45.0, verdict=check(obs), observation=obs)
+    return RunResult(scenario, tmp_path, started=-1.0, ended=45.0, verdict=check(obs),
+                     observation=obs)
 
 
 def test_the_json_summary(tmp_path: Path) -> None:
@@ -355,6 +382,7 @@ def test_docs_name_every_setting_scenario_and_action() -> None:
     for name in matrix.SCENARIOS:
         assert f"`{name}`" in docs, name
     for words in ("kill worker T", "kill node T", "freeze node T for Ds", "partition node T for Ds",
-                  "preempt all", "start N nodes", "fill disk [for Ds]", "when recovered", "when stopped"):
+                  "preempt all", "start N nodes", "fill disk [for Ds]", "when recovered",
+                  "when stopped"):
         assert words in docs, words
     assert " ".join(matrix.CI) in docs

@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.processes import ProcessSet, signal_pids
-from support.trainer_runs import (
+
+from elastic_ext.jsonlines import read_json_lines
+from elastic_ext.local.processes import ProcessSet, signal_pids
+from tests.support.trainer_runs import (
     BASE_ARGS,
     env,
-    events,
     finish,
     of,
     reference,
@@ -37,7 +38,8 @@ def _per_step(records: list[dict[str, Any]]) -> dict[int, list[int]]:
     An incarnation (one start of the workers) completed a step when every one of its
     ranks recorded it. A step redone after a crash is taken from the redo.
     """
-    by_incarnation: dict[str, dict[int, dict[int, list[int]]]] = defaultdict(lambda: defaultdict(dict))
+    by_incarnation: dict[str, dict[int, dict[int, list[int]]]] = defaultdict(
+        lambda: defaultdict(dict))
     world: dict[str, int] = {}
     order: list[str] = []
     for rec in records:
@@ -71,30 +73,34 @@ def test_two_three_two_ranks_train_on_exactly_the_uninterrupted_samples(
             "--record-samples", str(samples)]
 
     # 2 ranks, SIGKILLed three or more steps past the snapshot of step 10.
-    a = processes.spawn("two", torchrun_cmd(2, *args, "--snapshot-every", "10", "--step-delay", "0.1"),
+    a = processes.spawn("two",
+                        torchrun_cmd(2, *args, "--snapshot-every", "10", "--step-delay", "0.1"),
                         env=env())
-    wait_event(metrics, lambda e: e["event"] == "snapshot" and e["step"] == 10, 60, a, "snapshot 10")
+    wait_event(metrics, lambda e: e["event"] == "snapshot" and e["step"] == 10, 60, a,
+               "snapshot 10")
     wait_event(metrics, lambda e: e["event"] == "step" and e["step"] >= 13, 30, a, "step 13")
     a.kill()
     finish(a, 10)
-    killed_at = max(e["step"] for e in of(events(metrics), "step"))
+    killed_at = max(e["step"] for e in of(read_json_lines(metrics), "step"))
     assert 13 <= killed_at < 20
 
     # 3 ranks, from step 10, preempted a few steps later.
-    b = processes.spawn("three", torchrun_cmd(3, *args, "--snapshot-every", "4", "--step-delay", "0.1"),
+    b = processes.spawn("three",
+                        torchrun_cmd(3, *args, "--snapshot-every", "4", "--step-delay", "0.1"),
                         env=env())
-    start_b = wait_event(metrics, lambda e: e["event"] == "start" and e["world_size"] == 3, 60, b, "3 ranks")
+    start_b = wait_event(metrics, lambda e: e["event"] == "start" and e["world_size"] == 3, 60, b,
+                         "3 ranks")
     assert start_b["resumed_from"] == 10
     wait_event(metrics, lambda e: e["event"] == "step" and e["world_size"] == 3 and e["step"] >= 16,
                30, b, "step 16 at 3 ranks")
     signal_pids(worker_pids(b, 3).values(), signal.SIGUSR2)
     assert finish(b, 30) == 0
-    preempted = of(events(metrics), "preempted")[-1]["step"]
+    preempted = of(read_json_lines(metrics), "preempted")[-1]["step"]
     assert preempted >= 16
 
     # 2 ranks again, to the end.
     run_to_end(processes, "two-again", torchrun_cmd(2, *args, "--snapshot-every", "10"), timeout=90)
-    evs = events(metrics)
+    evs = read_json_lines(metrics)
     assert [(e["world_size"], e["resumed_from"]) for e in of(evs, "start")] == [
         (2, None), (3, 10), (2, preempted)]
 
@@ -103,7 +109,8 @@ def test_two_three_two_ranks_train_on_exactly_the_uninterrupted_samples(
     expected = _per_step(ref.samples)
     assert sorted(expected) == list(range(1, 41))
     assert sorted(chosen) == list(range(1, 41))
-    redone = {rec["step"] for rec in records if rec["world_size"] == 2 and 10 < rec["step"] <= killed_at}
+    redone = {rec["step"] for rec in records
+              if rec["world_size"] == 2 and 10 < rec["step"] <= killed_at}
     assert redone, "the kill should have cost some steps that were then trained again"
     for step in expected:
         assert chosen[step] == expected[step], f"step {step} trained on other samples"

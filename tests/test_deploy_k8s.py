@@ -40,7 +40,8 @@ def objects() -> list[dict[str, Any]]:
 
 
 def one(kind: str, name: str | None = None) -> dict[str, Any]:
-    found = [d for d in objects() if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    found = [d for d in objects()
+             if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
     assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
     return found[0]
 
@@ -93,7 +94,8 @@ def test_etcd_is_three_members_behind_a_headless_service() -> None:
 
     headless = one("Service", sts["spec"]["serviceName"])
     assert headless["spec"]["clusterIP"] == "None"
-    assert headless["spec"]["publishNotReadyAddresses"] is True  # members find each other before ready
+    # members find each other before ready
+    assert headless["spec"]["publishNotReadyAddresses"] is True
     assert headless["spec"]["selector"].items() <= labels.items()
     assert {p["port"] for p in headless["spec"]["ports"]} == {2379, 2380}
     client = one("Service", "etcd-client")
@@ -140,7 +142,8 @@ def test_the_trainer_runs_torchrun_with_etcd_ext_and_an_elastic_node_range() -> 
     assert args.local_addr == "10.1.2.3"
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert args.rdzv_id == job["metadata"]["name"]
-    assert env["RUN_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['batch.kubernetes.io/job-name']"
+    assert (env["RUN_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
+            == "metadata.labels['batch.kubernetes.io/job-name']")
     assert args.module and args.training_script == "trainer"
 
     # one pod per node, as many pods as the range's top, and the Job gives up only when
@@ -156,7 +159,8 @@ def test_the_trainer_runs_torchrun_with_etcd_ext_and_an_elastic_node_range() -> 
               for v in job["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v}
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     shared = [path for path, name in mounts.items() if name in claims]
-    assert shared and str(settings.snapshot_dir).startswith(shared[0] + "/"), (settings.snapshot_dir, mounts)
+    assert shared and str(settings.snapshot_dir).startswith(shared[0] + "/"), \
+        (settings.snapshot_dir, mounts)
     pvc = one("PersistentVolumeClaim", claims[mounts[shared[0]]])
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
 
@@ -167,9 +171,11 @@ def test_the_rendezvous_endpoint_is_every_member_of_the_etcd_service() -> None:
     endpoint = get_args_parser().parse_args(argv).rdzv_endpoint
     sts = one("StatefulSet", "etcd")
     svc = sts["spec"]["serviceName"]
-    client_port = next(p["containerPort"] for p in sts["spec"]["template"]["spec"]["containers"][0]["ports"]
+    client_port = next(p["containerPort"]
+                       for p in sts["spec"]["template"]["spec"]["containers"][0]["ports"]
                        if p["name"] == "client")
-    expected = [f"{sts['metadata']['name']}-{i}.{svc}:{client_port}" for i in range(sts["spec"]["replicas"])]
+    expected = [f"{sts['metadata']['name']}-{i}.{svc}:{client_port}"
+                for i in range(sts["spec"]["replicas"])]
     assert endpoint.split(",") == expected
     assert "localhost" not in endpoint and "127.0.0.1" not in endpoint
 
@@ -177,10 +183,12 @@ def test_the_rendezvous_endpoint_is_every_member_of_the_etcd_service() -> None:
 def test_the_trainer_pod_leaves_time_to_snapshot_and_is_replaced_fast() -> None:
     job, _, env = trainer_parts()
     pod = job["spec"]["template"]["spec"]
-    assert pod["terminationGracePeriodSeconds"] >= 60  # SIGTERM -> snapshot at the next step -> exit
+    # SIGTERM -> snapshot at the next step -> exit
+    assert pod["terminationGracePeriodSeconds"] >= 60
     tolerations = {t["key"]: t for t in pod["tolerations"]}
     for key in ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready"):
-        assert tolerations[key]["effect"] == "NoExecute" and tolerations[key]["tolerationSeconds"] <= 60
+        assert (tolerations[key]["effect"] == "NoExecute"
+                and tolerations[key]["tolerationSeconds"] <= 60)
     ignored = [r for r in job["spec"]["podFailurePolicy"]["rules"] if r["action"] == "Ignore"]
     assert any(c["type"] == "DisruptionTarget" for r in ignored for c in r["onPodConditions"])
     assert job["spec"]["successPolicy"]["rules"] == [{"succeededCount": 1}]

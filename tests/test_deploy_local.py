@@ -45,18 +45,21 @@ class Cluster:
     def __init__(self, state_dir: Path, port: int) -> None:
         self.dir = state_dir
         self.port = port
-        self.env = dict(os.environ, ELASTIC_EXT_ETCD_DIR=str(state_dir), ELASTIC_EXT_ETCD_PORT=str(port))
+        self.env = dict(os.environ, ELASTIC_EXT_ETCD_DIR=str(state_dir),
+                        ELASTIC_EXT_ETCD_PORT=str(port))
 
     def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(["bash", str(SCRIPT), *args], check=False, env=self.env, capture_output=True, text=True,
-                                timeout=60, stdin=subprocess.DEVNULL)
+        result = subprocess.run(["bash", str(SCRIPT), *args], check=False, env=self.env,
+                                capture_output=True, text=True, timeout=60,
+                                stdin=subprocess.DEVNULL)
         if check and result.returncode != 0:
             raise AssertionError(f"etcd-cluster.sh {' '.join(args)} exited {result.returncode}:\n"
                                  f"{result.stdout}{result.stderr}")
         return result
 
     def pids(self) -> list[int]:
-        return [int(p.read_text()) for p in sorted(self.dir.glob("m*.pid"))] if self.dir.exists() else []
+        return ([int(p.read_text()) for p in sorted(self.dir.glob("m*.pid"))] if self.dir.exists()
+                else [])
 
 
 @pytest.fixture
@@ -87,7 +90,8 @@ def put_get(endpoint: str, key: str, value: str) -> str:
         return base64.b64encode(s.encode()).decode()
     requests.post(f"http://{endpoint}/v3/kv/put", json={"key": b64(key), "value": b64(value)},
                   timeout=5).raise_for_status()
-    kvs = requests.post(f"http://{endpoint}/v3/kv/range", json={"key": b64(key)}, timeout=5).json()["kvs"]
+    kvs = requests.post(f"http://{endpoint}/v3/kv/range", json={"key": b64(key)},
+                        timeout=5).json()["kvs"]
     return base64.b64decode(kvs[0]["value"]).decode()
 
 
@@ -118,15 +122,16 @@ def test_three_members_keep_serving_without_one_and_stop_cleanly(cluster: Cluste
     out = cluster.run("start", "3").stdout
     endpoints = [f"127.0.0.1:{cluster.port + 2 * i}" for i in range(3)]
     assert f"--rdzv-endpoint={','.join(endpoints)}" in out
-    members = requests.post(f"http://{endpoints[0]}/v3/cluster/member/list", json={}, timeout=5).json()["members"]
+    members = requests.post(f"http://{endpoints[0]}/v3/cluster/member/list", json={},
+                            timeout=5).json()["members"]
     assert sorted(m["name"] for m in members) == ["m0", "m1", "m2"]
     assert put_get(endpoints[0], "/elastic-ext-dev/k", "3") == "3"
 
     pids = cluster.pids()
     os.kill(pids[1], signal.SIGKILL)  # one member dies: the other two are a quorum
     wait_until(lambda: not alive(pids[1]), 10, 0.05, "member m1 to die")
-    assert wait_until(lambda: _put_get_or_none(endpoints[2], "/elastic-ext-dev/k", "2 of 3"), 30, 0.2,
-                      "a write through m2 with m1 dead") == "2 of 3"
+    assert wait_until(lambda: _put_get_or_none(endpoints[2], "/elastic-ext-dev/k", "2 of 3"),
+                      30, 0.2, "a write through m2 with m1 dead") == "2 of 3"
     status = cluster.run("status").stdout
     assert "m1 127.0.0.1" in status and "down" in status
 
@@ -150,5 +155,6 @@ def test_the_shipped_scripts_are_executable_bash(script: Path) -> None:
     """sbatch and srun run them by path: they must keep their x bit and parse."""
     assert os.access(script, os.X_OK), f"{script} lost its executable bit"
     assert script.read_text().startswith("#!/"), f"{script} has no #! line"
-    checked = subprocess.run(["bash", "-n", str(script)], check=False, capture_output=True, text=True, timeout=30)
+    checked = subprocess.run(["bash", "-n", str(script)], check=False, capture_output=True,
+                             text=True, timeout=30)
     assert checked.returncode == 0, checked.stderr

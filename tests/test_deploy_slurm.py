@@ -26,9 +26,9 @@ from typing import Any
 
 import pytest
 
+from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.local.processes import ProcessSet, signal_pids, wait_until
-from support.slurm_lab import LabUnavailable, SlurmLab, check_host, ensure_packages
-from support.trainer_runs import events
+from tests.support.slurm_lab import LabUnavailable, SlurmLab, check_host, ensure_packages
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -75,8 +75,9 @@ def job_env(lab: SlurmLab, job_dir: Path, **extra: str) -> dict[str, str]:
 
 def submit(lab: SlurmLab, job_dir: Path, script: str, env: dict[str, str], *trainer_args: str,
            sbatch_args: tuple[str, ...] = ()) -> str:
-    return lab.sbatch("--nodes=2", "--time=5", f"--chdir={job_dir}", f"--output={job_dir}/job-%j.out",
-                      *sbatch_args, str(SLURM_DIR / script), *TRAIN, *trainer_args, env=env)
+    return lab.sbatch("--nodes=2", "--time=5", f"--chdir={job_dir}",
+                      f"--output={job_dir}/job-%j.out", *sbatch_args, str(SLURM_DIR / script),
+                      *TRAIN, *trainer_args, env=env)
 
 
 def output(job_dir: Path, job_id: str) -> str:
@@ -87,7 +88,7 @@ def output(job_dir: Path, job_id: str) -> str:
 
 
 def metrics(job_dir: Path) -> list[dict[str, Any]]:
-    return events(job_dir / "snapshots" / "metrics.jsonl")
+    return read_json_lines(job_dir / "snapshots" / "metrics.jsonl")
 
 
 def key_events(evs: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
@@ -96,17 +97,21 @@ def key_events(evs: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
 
 
 def explain(lab: SlurmLab, job_dir: Path, job_id: str) -> str:
-    """What to print when a check fails: the job's state, its output, its metrics, slurmctld's log."""
+    """What to print when a check fails: the job's state, its output, its metrics, slurmctld's
+    log."""
     try:
         state = lab.job(job_id)
     except Exception as exc:  # noqa: BLE001 - the cluster itself may be what broke
         state = {"error": str(exc)}
-    return (f"\njob {job_id}: { {k: state.get(k) for k in ('JobState', 'Reason', 'ExitCode', 'Restarts', 'NodeList')} }"
-            f"\nmetrics: {key_events(metrics(job_dir))}\n----- job output -----\n{output(job_dir, job_id)[-8000:]}"
+    state_keys = ("JobState", "Reason", "ExitCode", "Restarts", "NodeList")
+    return (f"\njob {job_id}: { {k: state.get(k) for k in state_keys} }"
+            f"\nmetrics: {key_events(metrics(job_dir))}\n----- job output -----\n"
+            f"{output(job_dir, job_id)[-8000:]}"
             f"\n----- slurmctld log -----\n{lab.log('slurmctld')[-3000:]}")
 
 
-def wait_metric(lab: SlurmLab, job_dir: Path, job_id: str, predicate: Any, timeout: float, what: str) -> None:
+def wait_metric(lab: SlurmLab, job_dir: Path, job_id: str, predicate: Any, timeout: float,
+                what: str) -> None:
     def check() -> bool:
         if any(predicate(e) for e in metrics(job_dir)):
             return True
@@ -121,7 +126,8 @@ def wait_metric(lab: SlurmLab, job_dir: Path, job_id: str, predicate: Any, timeo
 
 def wait_end(lab: SlurmLab, job_dir: Path, job_id: str, timeout: float) -> dict[str, str]:
     try:
-        return lab.wait_job(job_id, lambda j: j.get("JobState") in ENDED, timeout, f"job {job_id} to end")
+        return lab.wait_job(job_id, lambda j: j.get("JobState") in ENDED, timeout,
+                            f"job {job_id} to end")
     except TimeoutError as exc:
         raise AssertionError(str(exc) + explain(lab, job_dir, job_id)) from None
 
@@ -148,11 +154,13 @@ _COUNT_KEYS = """
 import base64, json, sys, urllib.request
 prefix = sys.argv[2].encode()
 end = prefix[:-1] + bytes([prefix[-1] + 1])
-body = json.dumps({"key": base64.b64encode(prefix).decode(), "range_end": base64.b64encode(end).decode(),
+body = json.dumps({"key": base64.b64encode(prefix).decode(),
+                   "range_end": base64.b64encode(end).decode(),
                    "count_only": True}).encode()
+request = urllib.request.Request(sys.argv[1] + "/v3/kv/range", body)
 for _ in range(50):
     try:
-        with urllib.request.urlopen(urllib.request.Request(sys.argv[1] + "/v3/kv/range", body), timeout=2) as r:
+        with urllib.request.urlopen(request, timeout=2) as r:
             print(json.load(r).get("count", 0))
             break
     except OSError:
@@ -174,7 +182,8 @@ def training_steps(e: dict[str, Any], world_size: int, step: int) -> bool:
 
 
 @pytest.mark.timeout(240)
-def test_two_node_job_trains_to_done_with_etcd_on_its_first_node(lab: SlurmLab, job_dir: Path) -> None:
+def test_two_node_job_trains_to_done_with_etcd_on_its_first_node(lab: SlurmLab,
+                                                                  job_dir: Path) -> None:
     started = time.monotonic()
     job_id = submit(lab, job_dir, "elastic.sbatch", job_env(lab, job_dir), "--steps", "40",
                     "--snapshot-every", "20")
@@ -190,10 +199,13 @@ def test_two_node_job_trains_to_done_with_etcd_on_its_first_node(lab: SlurmLab, 
     out = output(job_dir, job_id)
     node1, node2 = lab.addr("node1"), lab.addr("node2")
     # the job's own etcd, on the first node's address; torchrun's --local-addr is each node's own
-    assert re.search(rf"rendezvous: etcd-ext at {re.escape(node1)}:\d+, run id {job_id}\b", out), why
+    assert re.search(rf"rendezvous: etcd-ext at {re.escape(node1)}:\d+, run id {job_id}\b",
+                     out), why
     assert "etcd-ext: etcd 3." in out, why
-    assert re.search(rf"\[torchrun-node node1 [\d:]+\] local address {re.escape(node1)}, OMP_NUM_THREADS=2", out), why
-    assert re.search(rf"\[torchrun-node node2 [\d:]+\] local address {re.escape(node2)}, OMP_NUM_THREADS=2", out), why
+    assert re.search(rf"\[torchrun-node node1 [\d:]+\] local address {re.escape(node1)}, "
+                     "OMP_NUM_THREADS=2", out), why
+    assert re.search(rf"\[torchrun-node node2 [\d:]+\] local address {re.escape(node2)}, "
+                     "OMP_NUM_THREADS=2", out), why
     assert "trainer's last event: done" in out, why
     # the job's etcd ended with the job
     wait_until(lambda: not lab.processes_named("node1", "etcd"), 30, 0.2, "the job's etcd to exit")
@@ -206,11 +218,12 @@ def test_preempted_job_snapshots_requeues_itself_and_resumes(lab: SlurmLab, job_
     started = time.monotonic()
     ctl = external_etcd
     env = job_env(lab, job_dir, ELASTIC_EXT_ETCD_ENDPOINTS=f"{ctl}:2379")
-    job_id = submit(lab, job_dir, "preemptible.sbatch", env, "--steps", "120", "--snapshot-every", "50",
-                    sbatch_args=("--partition=batch",))
+    job_id = submit(lab, job_dir, "preemptible.sbatch", env, "--steps", "120",
+                    "--snapshot-every", "50", sbatch_args=("--partition=batch",))
     wait_metric(lab, job_dir, job_id, lambda e: training_steps(e, 2, 10), 120, "2-node training")
 
-    urgent = lab.sbatch("--partition=urgent", "--nodes=2", "--exclusive", f"--output={job_dir}/urgent-%j.out",
+    urgent = lab.sbatch("--partition=urgent", "--nodes=2", "--exclusive",
+                        f"--output={job_dir}/urgent-%j.out",
                         "--wrap", "echo urgent job on $(hostname)", env=lab.env)
     job = wait_end(lab, job_dir, job_id, 200)
     why = explain(lab, job_dir, job_id)
@@ -239,8 +252,8 @@ def test_preempted_job_snapshots_requeues_itself_and_resumes(lab: SlurmLab, job_
     assert f"preempted after a snapshot: requeueing job {job_id}" in out, why
     # both runs rendezvoused under the same run id through the external etcd
     assert out.count(f"rendezvous: etcd-ext at {ctl}:2379, run id {job_id}") == 2, why
-    assert re.search(rf"local address {re.escape(lab.addr('node1'))}, OMP_NUM_THREADS=\d+, restart 1 of job {job_id}",
-                     out), why
+    assert re.search(rf"local address {re.escape(lab.addr('node1'))}, OMP_NUM_THREADS=\d+, "
+                     rf"restart 1 of job {job_id}", out), why
     print(f"preemption cycle: preempted at step {at}; {time.monotonic() - started:.1f}s")
 
 
@@ -250,11 +263,12 @@ def test_a_cut_link_leaves_the_job_running_on_the_survivor(lab: SlurmLab, job_di
     env = job_env(lab, job_dir, ELASTIC_EXT_MIN_NODES="1")
     job_id = submit(lab, job_dir, "elastic.sbatch", env, "--steps", "150", "--snapshot-every", "10")
     try:
-        wait_metric(lab, job_dir, job_id, lambda e: training_steps(e, 2, 12), 120, "2-node training")
+        wait_metric(lab, job_dir, job_id, lambda e: training_steps(e, 2, 12), 120,
+                    "2-node training")
         lab.cut_link("node2")
         cut_at = max(e["step"] for e in metrics(job_dir) if e["event"] == "step")
-        wait_metric(lab, job_dir, job_id, lambda e: e["event"] == "start" and e["world_size"] == 1, 60,
-                    "node1 to go on alone")
+        wait_metric(lab, job_dir, job_id, lambda e: e["event"] == "start" and e["world_size"] == 1,
+                    60, "node1 to go on alone")
         job = wait_end(lab, job_dir, job_id, 150)
         why = explain(lab, job_dir, job_id)
         assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), why
@@ -268,11 +282,13 @@ def test_a_cut_link_leaves_the_job_running_on_the_survivor(lab: SlurmLab, job_di
     alone = [e for e in starts if e["world_size"] == 1 and e["resumed_from"] is not None]
     assert alone, why
     resumed = alone[-1]["resumed_from"]
-    assert resumed <= cut_at + 1 and resumed % 10 == 0, why  # the last periodic snapshot before the cut
+    # the last periodic snapshot before the cut
+    assert resumed <= cut_at + 1 and resumed % 10 == 0, why
     done = [e for e in evs if e["event"] == "done"]
     assert [(e["step"], e["world_size"]) for e in done] == [(150, 1)], why
     lab.wait_nodes(["node2"], "idle", 60)  # ReturnToService=2: back once it answers again
-    print(f"link cut at step ~{cut_at}, node1 resumed from {resumed}; {time.monotonic() - started:.1f}s")
+    print(f"link cut at step ~{cut_at}, node1 resumed from {resumed}; "
+          f"{time.monotonic() - started:.1f}s")
 
 
 @pytest.mark.timeout(300)
@@ -301,8 +317,8 @@ def test_a_job_killed_without_notice_resumes_under_the_same_run_id(lab: SlurmLab
     assert run_keys(lab, ctl, job_id) > 0, "the killed agents left no state behind" + why
 
     lab.client("scontrol", "requeue", job_id)
-    job = lab.wait_job(job_id, lambda j: j.get("Restarts") == "1" and j.get("JobState") in ENDED, 150,
-                       f"requeued job {job_id} to end")
+    job = lab.wait_job(job_id, lambda j: j.get("Restarts") == "1" and j.get("JobState") in ENDED,
+                       150, f"requeued job {job_id} to end")
     why = explain(lab, job_dir, job_id)
     assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), why
     evs = metrics(job_dir)

@@ -28,4 +28,5 @@ def test_every_row_of_the_errors_table_names_tests_that_exist():
     for row in rows:
         for path, name in re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", row):
             source = (root / path).read_text()
-            assert re.search(rf"^def {name}\(", source, flags=re.M), f"{path}::{name} (row: {row[:60]})"
+            assert re.search(rf"^def {name}\(", source, flags=re.M), \
+                f"{path}::{name} (row: {row[:60]})"

@@ -9,7 +9,7 @@ import pytest
 
 from elastic_ext.rendezvous.errors import ConfigError, StoreUnavailableError
 from elastic_ext.rendezvous.etcd_client import EtcdClient
-from support.stores import settings_for
+from tests.support.stores import settings_for
 
 pytestmark = pytest.mark.etcd
 
@@ -17,12 +17,13 @@ pytestmark = pytest.mark.etcd
 def test_compare_and_swap_on_mod_revision_with_create_if_absent(etcd):
     client = EtcdClient(settings_for(etcd.members[0].endpoint))
     ok, kv = client.compare_and_swap("/t/k", b"v1", None)
-    assert ok
+    assert ok and kv is not None
     again, current = client.compare_and_swap("/t/k", b"other", None)
-    assert not again and current.value == b"v1"
+    assert not again and current is not None and current.value == b"v1"
     ok2, kv2 = client.compare_and_swap("/t/k", b"v2", kv.mod_revision)
     stale, now = client.compare_and_swap("/t/k", b"v3", kv.mod_revision)
-    assert ok2 and not stale and now.value == b"v2" and now.mod_revision == kv2.mod_revision
+    assert ok2 and kv2 is not None and not stale and now is not None
+    assert now.value == b"v2" and now.mod_revision == kv2.mod_revision
 
 
 def test_concurrent_increments_by_compare_and_swap_lose_nothing(etcd):
@@ -36,18 +37,19 @@ def test_concurrent_increments_by_compare_and_swap_lose_nothing(etcd):
         t.start()
     for t in threads:
         t.join(timeout=60)
-    assert client.get("/t/counter").value == b"100"
+    counter = client.get("/t/counter")
+    assert counter is not None and counter.value == b"100"
 
 
 def test_a_dead_endpoint_in_the_list_is_skipped(etcd):
-    from conftest import free_port
+    from elastic_ext.net import free_port
     dead = f"127.0.0.1:{free_port()}"
     client = EtcdClient(settings_for(f"{dead},{etcd.members[0].endpoint}"))
     assert client.compare_and_swap("/t/x", b"1", None)[0]
 
 
 def test_unreachable_endpoints_fail_within_the_deadline_naming_them():
-    from conftest import free_port
+    from elastic_ext.net import free_port
     dead = f"127.0.0.1:{free_port()}"
     client = EtcdClient(settings_for(dead, connect_timeout="1"))
     started = time.monotonic()
@@ -79,16 +81,17 @@ def test_server_version_check_refuses_something_that_is_not_etcd(processes, tmp_
 def test_compare_and_swap_succeeds_again_within_5s_after_the_leader_is_killed(etcd_cluster):
     client = EtcdClient(settings_for(etcd_cluster.endpoints))
     ok, kv = client.compare_and_swap("/t/lead", b"0", None)
-    assert ok
+    assert ok and kv is not None
     leader = etcd_cluster.leader()
     etcd_cluster.stop_member(leader)
     killed = time.monotonic()
     revision = kv.mod_revision
     while True:
         current = client.get("/t/lead")
+        assert current is not None
         ok, kv = client.compare_and_swap("/t/lead", b"1", current.mod_revision)
         if ok:
             break
     elapsed = time.monotonic() - killed
-    assert kv.mod_revision > revision
+    assert kv is not None and kv.mod_revision > revision
     assert elapsed < 5.0, f"first CAS after the leader kill took {elapsed:.2f}s"

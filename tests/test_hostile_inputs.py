@@ -12,13 +12,13 @@ import threading
 
 import pytest
 
-from conftest import free_port
 from elastic_ext.local.etcd import start_cluster
+from elastic_ext.net import free_port
 from elastic_ext.rendezvous.errors import CorruptStateError, StoreUnavailableError
 from elastic_ext.rendezvous.etcd_backend import EtcdBackend
 from elastic_ext.rendezvous.state import MAX_STATE_BYTES
-from support.agents import ALLREDUCE_JOB, torchrun
-from support.stores import settings_for
+from tests.support.agents import ALLREDUCE_JOB, torchrun
+from tests.support.stores import plant_etcd_state, settings_for
 
 
 @pytest.mark.timeout(120)
@@ -45,18 +45,21 @@ def test_a_port_that_is_not_etcd_is_reported_as_not_etcd():
         threading.Thread(target=server.serve_forever, daemon=True).start()
         endpoint = f"127.0.0.1:{server.server_address[1]}"
         with pytest.raises(StoreUnavailableError, match=f"no etcd answered at http://{endpoint}"):
-            EtcdBackend(settings_for(endpoint)).check_server()
+            EtcdBackend.connect(settings_for(endpoint))
         server.shutdown()
 
 
 @pytest.mark.timeout(60)
 def test_an_oversized_state_value_is_refused_by_the_agent(processes, etcd):
     endpoint = etcd.members[0].endpoint
-    backend = EtcdBackend(settings_for(endpoint, "big"))
-    backend.client.put(backend.state_key, b"elastic-ext/1\n" + b" " * (MAX_STATE_BYTES + 10))
+    settings = settings_for(endpoint, "big")
+    backend = EtcdBackend(settings)
+    plant_etcd_state(settings, b"elastic-ext/1\n" + b" " * (MAX_STATE_BYTES + 10))
     with pytest.raises(CorruptStateError, match="over the"):
         from elastic_ext.rendezvous.state import RunState
-        RunState.from_bytes(backend.get_state()[0])
+        current = backend.get_state()
+        assert current is not None
+        RunState.from_bytes(current[0])
     p = torchrun(processes, "big", endpoint=endpoint, run_id="big", nnodes="1:1",
                  script=[str(ALLREDUCE_JOB)], conf="join_timeout=10")
     assert p.wait(timeout=60) != 0 and "over the 1048576 limit" in p.output()

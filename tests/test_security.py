@@ -14,9 +14,9 @@ from elastic_ext.local.etcd import start_cluster
 from elastic_ext.rendezvous.errors import StoreAuthError
 from elastic_ext.rendezvous.etcd_backend import EtcdBackend
 from elastic_ext.rendezvous.etcd_client import EtcdClient, _prefix_end
-from support.agents import ALLREDUCE_JOB, torchrun
-from support.stores import settings_for
-from support.tls import ThrowawayCA
+from tests.support.agents import ALLREDUCE_JOB, torchrun
+from tests.support.stores import plant_etcd_state, settings_for
+from tests.support.tls import ThrowawayCA
 
 pytestmark = pytest.mark.etcd
 
@@ -76,8 +76,9 @@ def test_mutual_tls_job_runs_and_strangers_are_refused(processes, tmp_path):
     other_ca = ThrowawayCA(tmp_path / "other", name="other-ca")
     forged = other_ca.issue("mallory", server=False)
     for cert in (forged, None):
-        extra = {"cert": str(cert.cert), "key": str(cert.key)} if cert else {}
-        client = EtcdClient(settings_for(endpoint, cacert=str(ca.cert_path), **extra))
+        extra: dict[str, str] = {"cert": str(cert.cert), "key": str(cert.key)} if cert else {}
+        client = EtcdClient(settings_for(endpoint, "run1", (1, 3), cacert=str(ca.cert_path),
+                                         **extra))
         with pytest.raises(StoreAuthError, match="TLS handshake"):
             client.server_version()
 
@@ -120,9 +121,8 @@ def test_a_planted_pickle_in_the_state_key_is_refused_not_executed(processes, tm
         def __reduce__(self):
             return (Path.touch, (marker,))
     endpoint = etcd.members[0].endpoint
-    backend = EtcdBackend(settings_for(endpoint, "victim"))
     payload = b"elastic-ext/1\n" + pickle.dumps(Exploit())
-    backend.client.put(backend.state_key, payload)
+    plant_etcd_state(settings_for(endpoint, "victim"), payload)
     p = torchrun(processes, "victim", endpoint=endpoint, run_id="victim", nnodes="1:1",
                  script=[str(ALLREDUCE_JOB)], conf="join_timeout=20")
     assert p.wait(timeout=60) != 0

@@ -15,7 +15,8 @@ def test_defaults_use_etcd_with_the_documented_prefix_and_timeouts():
     s = parse()
     assert s.store == "etcd" and s.scheme == "http"
     assert s.run_prefix == "/elastic-ext/job1/"
-    assert (s.timeouts.last_call, s.timeouts.heartbeat_interval, s.timeouts.heartbeat) == (1.0, 0.5, 3.0)
+    assert ((s.timeouts.last_call, s.timeouts.heartbeat_interval, s.timeouts.heartbeat)
+            == (1.0, 0.5, 3.0))
 
 
 def test_empty_endpoint_selects_the_embedded_store_on_the_default_port():
@@ -46,7 +47,8 @@ def test_torchrun_timeout_is_the_join_timeout_unless_join_timeout_is_given():
 
 
 def test_unknown_key_is_named_and_the_accepted_keys_listed():
-    with pytest.raises(ConfigError, match=r"unknown --rdzv-conf key 'heartbeat'.*heartbeat_interval"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown --rdzv-conf key 'heartbeat'.*heartbeat_interval"):
         parse(conf={"heartbeat": "1"})
 
 

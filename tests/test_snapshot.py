@@ -22,10 +22,8 @@ from elastic_ext.snapshot import (
     SnapshotMismatchError,
     Snapshotter,
     SnapshotWriteError,
-    manifest_name,
-    payload_name,
-    tmp_name,
 )
+from elastic_ext.snapshot.layout import manifest_name, payload_name, tmp_name
 
 
 def _objects(width: int = 8, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer,
@@ -37,8 +35,8 @@ def _objects(width: int = 8, seed: int = 0) -> tuple[nn.Module, torch.optim.Opti
     return model, opt, sched
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
-           steps: int) -> None:
+def _train(model: nn.Module, opt: torch.optim.Optimizer,
+           sched: torch.optim.lr_scheduler.LRScheduler, steps: int) -> None:
     for _ in range(steps):
         opt.zero_grad()
         model(torch.randn(5, 4)).pow(2).mean().backward()
@@ -51,14 +49,15 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def test_commit_and_restore_round_trip(tmp_path: Path) -> None:
     model, opt, sched = _objects()
     _train(model, opt, sched, 3)
     snaps = Snapshotter(tmp_path)
-    future = snaps.commit(3, {"model": model, "optimizer": opt, "scheduler": sched, "data": {"offset": 9}})
+    future = snaps.commit(3, {"model": model, "optimizer": opt, "scheduler": sched,
+                              "data": {"offset": 9}})
     info = future.result(timeout=30)
     assert info is not None and info.step == 3 and info.blocking_s >= 0
     assert (tmp_path / payload_name(3)).exists() and (tmp_path / manifest_name(3)).exists()
@@ -73,7 +72,8 @@ def test_commit_and_restore_round_trip(tmp_path: Path) -> None:
     assert restored.state == {"data": {"offset": 9}}
     assert _same(_params(fresh_model), expected)
     assert fresh_sched.last_epoch == 3
-    # The optimizer state came back too: two more steps from here land exactly where the original did.
+    # The optimizer state came back too: two more steps from here land exactly where the
+    # original did.
     torch.manual_seed(123)
     _train(fresh_model, fresh_opt, fresh_sched, 2)
     model2, opt2, sched2 = _objects(seed=1)
@@ -148,7 +148,8 @@ def _first_weight(restored_model: nn.Module) -> float:
     return float(next(restored_model.parameters()).detach().flatten()[0])
 
 
-def test_corrupt_newest_is_skipped_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_corrupt_newest_is_skipped_with_a_warning(tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
     _three_snapshots(tmp_path)
     payload = tmp_path / payload_name(30)
     data = bytearray(payload.read_bytes())
@@ -162,7 +163,8 @@ def test_corrupt_newest_is_skipped_with_a_warning(tmp_path: Path, caplog: pytest
     assert str(tmp_path / manifest_name(30)) in caplog.text and "corrupt" in caplog.text
 
 
-def test_truncated_newest_is_skipped_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_truncated_newest_is_skipped_with_a_warning(tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
     _three_snapshots(tmp_path)
     payload = tmp_path / payload_name(30)
     with open(payload, "r+b") as f:
@@ -194,8 +196,9 @@ def test_a_different_model_is_refused_clearly(tmp_path: Path) -> None:
     Snapshotter(tmp_path).commit(5, {"model": model, "optimizer": opt}).result(timeout=30)
     other, other_opt, _ = _objects(width=16)
     before = _params(other)
-    with pytest.raises(SnapshotMismatchError, match=r"different model.*'0\.weight' has shape \(8, 4\) in "
-                                                    r"the snapshot, \(16, 4\) in this model"):
+    with pytest.raises(SnapshotMismatchError,
+                       match=r"different model.*'0\.weight' has shape \(8, 4\) in "
+                             r"the snapshot, \(16, 4\) in this model"):
         Snapshotter(tmp_path).restore({"model": other, "optimizer": other_opt})
     assert _same(_params(other), before)  # nothing was half-loaded
 
@@ -227,7 +230,8 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=640k", "tmpfs", str(mount_point)],
                             capture_output=True, text=True)
     if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); the /dev/full test covers ENOSPC")
+        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); "
+                    "the /dev/full test covers ENOSPC")
     try:
         yield mount_point
     finally:
@@ -278,7 +282,8 @@ def test_a_failed_redo_of_a_step_keeps_the_old_snapshot_of_it(tmp_path: Path) ->
     model, _, _ = _objects()
     snaps = Snapshotter(tmp_path)
     snaps.commit(1, {"model": model, "tag": "old"}).result(timeout=30)
-    (tmp_path / tmp_name(payload_name(1), socket.gethostname(), os.getpid())).symlink_to("/dev/full")
+    (tmp_path / tmp_name(payload_name(1), socket.gethostname(), os.getpid())).symlink_to(
+        "/dev/full")
     with pytest.raises(SnapshotWriteError):
         snaps.commit(1, {"model": model, "tag": "new"}).result(timeout=30)
     restored = Snapshotter(tmp_path).restore({})
@@ -288,11 +293,13 @@ def test_a_failed_redo_of_a_step_keeps_the_old_snapshot_of_it(tmp_path: Path) ->
 def test_payload_round_trips_every_kind_of_tensor(tmp_path: Path) -> None:
     from collections import OrderedDict
 
-    from elastic_ext.snapshot import load_payload, write_payload
+    from elastic_ext.snapshot import load_payload
+    from elastic_ext.snapshot.payload import write_payload
 
     tree = {
         "f32": torch.randn(3, 4), "bf16": torch.randn(5).to(torch.bfloat16),
-        "f16": torch.randn(2, 2).half(), "i64": torch.arange(7), "bool": torch.tensor([True, False]),
+        "f16": torch.randn(2, 2).half(), "i64": torch.arange(7),
+        "bool": torch.tensor([True, False]),
         "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 3),
         "sparse": torch.eye(3).to_sparse(),
         "nested": OrderedDict(a=[torch.ones(2), (1, "x", None)], b={5: 2.5}),
@@ -305,7 +312,9 @@ def test_payload_round_trips_every_kind_of_tensor(tmp_path: Path) -> None:
     assert back["nested"]["a"][1] == (1, "x", None)
     assert torch.equal(back["nested"]["a"][0], torch.ones(2))
     for key in ("f32", "bf16", "f16", "i64", "bool", "scalar", "empty"):
-        assert back[key].dtype == tree[key].dtype and torch.equal(back[key], tree[key]), key
+        want = tree[key]
+        assert isinstance(want, torch.Tensor)
+        assert back[key].dtype == want.dtype and torch.equal(back[key], want), key
     assert torch.equal(back["sparse"].to_dense(), torch.eye(3))
     with open(path, "r+b") as f:
         f.truncate(path.stat().st_size - 10)

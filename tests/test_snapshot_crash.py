@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.processes import ProcessSet, wait_until
 
+from elastic_ext.local.processes import ProcessSet, wait_until
 from elastic_ext.snapshot import Snapshotter, newest_valid
 
 WRITER = Path(__file__).parent / "support" / "snapshot_writer.py"

@@ -6,18 +6,16 @@ import pytest
 import torch
 
 from elastic_ext.preemption import GuardSettings, is_peer_fault
-from elastic_ext.snapshot import (
-    Manifest,
+from elastic_ext.snapshot import Manifest
+from elastic_ext.snapshot.hook import shape_mismatches
+from elastic_ext.snapshot.layout import (
     manifest_name,
-    newest_first,
     parse_name,
     parse_tmp_name,
     payload_name,
-    retention_plan,
-    shape_mismatches,
-    stale_tmp_files,
     tmp_name,
 )
+from elastic_ext.snapshot.retention import newest_first, retention_plan, stale_tmp_files
 
 
 def test_names_round_trip() -> None:
@@ -78,7 +76,8 @@ def test_retention_needs_keep_of_at_least_one() -> None:
 def test_stale_tmp_files_are_this_hosts_dead_writers_only() -> None:
     names = [tmp_name(payload_name(1), "me", 10), tmp_name(payload_name(2), "me", 11),
              tmp_name(payload_name(3), "other", 10), payload_name(1)]
-    assert stale_tmp_files(names, "me", alive=lambda pid: pid == 11) == [tmp_name(payload_name(1), "me", 10)]
+    assert (stale_tmp_files(names, "me", alive=lambda pid: pid == 11)
+            == [tmp_name(payload_name(1), "me", 10)])
 
 
 def test_shape_mismatches_are_described() -> None:
@@ -91,7 +90,8 @@ def test_shape_mismatches_are_described() -> None:
 
 @pytest.mark.parametrize("message", [
     "[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:17811: Connection reset by peer.",
-    "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 4000ms for recv operation to complete",
+    "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 4000ms for recv operation "
+    "to complete",
     "NCCL communicator was aborted on rank 1",
     "[c10d] TCPStore recvValue failed: Connection reset by peer",
 ])

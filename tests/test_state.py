@@ -6,7 +6,19 @@ import pytest
 
 from elastic_ext.rendezvous.errors import CorruptStateError
 from elastic_ext.rendezvous.state import (
-    Limits, NodeInfo, Outcome, Phase, Reason, RunState, Status, View, decide,
+    BudgetSpent,
+    Closed,
+    Joined,
+    Limits,
+    NodeInfo,
+    Phase,
+    Reason,
+    RunState,
+    Status,
+    View,
+    Wait,
+    Write,
+    decide,
     restart_pressure,
 )
 
@@ -23,7 +35,7 @@ def run(state, v, limits=LIMITS, max_steps=10):
     """Apply WRITE decisions (as a store would) until the node waits or is done."""
     for _ in range(max_steps):
         d = decide(state, v, limits)
-        if d.outcome is not Outcome.WRITE:
+        if not isinstance(d, Write):
             return state, d
         state = d.state
     raise AssertionError("no progress")
@@ -33,20 +45,20 @@ def closed_round(nodes=("a", "b", "c"), round_=1, restarts=0):
     s = None
     for i, n in enumerate(nodes):
         s, _ = run(s, view(n, min_reached_for=5.0 if i == len(nodes) - 1 else None))
-    assert s.phase is Phase.CLOSED and s.round == round_
+    assert s is not None and s.phase is Phase.CLOSED and s.round == round_
     return replace(s, restarts=restarts)
 
 
 def test_first_node_starts_a_generation_with_round_one_open():
     s, d = run(None, view("a"))
     assert (s.round, s.phase, list(s.members)) == (1, Phase.OPEN, ["a"])
-    assert d.outcome is Outcome.WAIT
+    assert isinstance(d, Wait)
 
 
 def test_fresh_job_waits_the_last_call_before_closing_below_max():
     s, _ = run(None, view("a"))
     s, d = run(s, view("b", min_reached_for=0.2))
-    assert s.phase is Phase.OPEN and d.outcome is Outcome.WAIT
+    assert s.phase is Phase.OPEN and isinstance(d, Wait)
     s, d = run(s, view("b", min_reached_for=1.0))
     assert s.phase is Phase.CLOSED and s.order == ("a", "b")
 
@@ -59,14 +71,15 @@ def test_round_closes_at_once_when_max_nodes_joined():
 def test_joined_node_gets_its_rank_and_the_master_is_rank_zero():
     s = closed_round()
     d = decide(s, view("b"), LIMITS)
-    assert d.outcome is Outcome.JOINED and s.rank_of("b") == 1
+    assert isinstance(d, Joined) and s.rank_of("b") == 1
     assert s.master() == s.members["a"]
 
 
 def test_reentering_node_opens_the_next_round_remembering_the_previous_order():
     s = closed_round()
     s2, _ = run(s, view("b", completed=(s.generation, 1)))
-    assert (s2.round, s2.phase, s2.previous, list(s2.members)) == (2, Phase.OPEN, ("a", "b", "c"), ["b"])
+    assert ((s2.round, s2.phase, s2.previous, list(s2.members))
+            == (2, Phase.OPEN, ("a", "b", "c"), ["b"]))
 
 
 def test_round_after_a_death_closes_as_soon_as_every_live_member_rejoined():
@@ -81,7 +94,7 @@ def test_round_waits_for_a_live_member_until_the_last_call():
     s = closed_round()
     s, _ = run(s, view("a", completed=(s.generation, 1)))
     s, d = run(s, view("b", completed=(s.generation, 1), min_reached_for=0.5))
-    assert s.phase is Phase.OPEN and d.outcome is Outcome.WAIT  # c is alive but not back yet
+    assert s.phase is Phase.OPEN and isinstance(d, Wait)  # c is alive but not back yet
     s, _ = run(s, view("b", completed=(s.generation, 1), min_reached_for=1.0))
     assert s.phase is Phase.CLOSED and s.order == ("a", "b")
 
@@ -111,14 +124,14 @@ def test_spending_more_than_the_budget_stops_the_run():
     s = closed_round(restarts=1)
     for n in ("c", "a", "b"):
         s, d = run(s, view(n, completed=(s.generation, 1)))
-    assert s.status is Status.BUDGET_SPENT and d.outcome is Outcome.BUDGET_SPENT
+    assert s.status is Status.BUDGET_SPENT and isinstance(d, BudgetSpent)
     assert "--max-restarts=1" in s.note
 
 
 def test_newcomer_waits_while_a_round_runs_and_creates_pressure_when_there_is_room():
     s = closed_round(("a", "b"))
     s, d = run(s, view("c"))
-    assert "c" in s.waiting and d.outcome is Outcome.WAIT
+    assert "c" in s.waiting and isinstance(d, Wait)
     count, why, reason = restart_pressure(s, "a", frozenset(), LIMITS, (s.generation, 1), False)
     assert count == 1 and "c" in why and reason is Reason.MEMBERSHIP
 
@@ -171,8 +184,9 @@ def test_a_full_open_round_puts_extra_nodes_in_waiting():
 
 def test_closed_and_budget_spent_runs_end_the_rendezvous():
     s = closed_round()
-    assert decide(replace(s, status=Status.CLOSED), view("a"), LIMITS).outcome is Outcome.CLOSED
-    assert decide(replace(s, status=Status.BUDGET_SPENT), view("a"), LIMITS).outcome is Outcome.BUDGET_SPENT
+    assert isinstance(decide(replace(s, status=Status.CLOSED), view("a"), LIMITS), Closed)
+    assert isinstance(decide(replace(s, status=Status.BUDGET_SPENT), view("a"), LIMITS),
+                      BudgetSpent)
 
 
 def test_state_round_trips_through_json():
@@ -198,4 +212,4 @@ def test_a_lone_node_of_a_one_node_minimum_joins_the_round_it_closed():
     limits = Limits(min_nodes=1, max_nodes=2, last_call=1.0, max_restarts=None)
     s, d = run(None, view("a"), limits)
     s, d = run(s, view("a", min_reached_for=1.0), limits)
-    assert s.phase is Phase.CLOSED and d.outcome is Outcome.JOINED and s.generation == "gen-a"
+    assert s.phase is Phase.CLOSED and isinstance(d, Joined) and s.generation == "gen-a"

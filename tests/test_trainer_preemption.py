@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
-from support.processes import ProcessSet, signal_pids, wait_until
-from support.trainer_runs import (
+
+from elastic_ext.jsonlines import read_json_lines
+from elastic_ext.local.processes import ProcessSet, signal_pids, wait_until
+from tests.support.trainer_runs import (
     BASE_ARGS,
     env,
-    events,
     exit_lines,
     finish,
     of,
@@ -50,8 +51,9 @@ def _job(tmp_path: Path) -> tuple[Path, list[str]]:
 
 def _check_preempted_then_resume(processes: ProcessSet, tmp_path: Path, metrics: Path,
                                  args: list[str], ref_sha: str) -> int:
-    """The run stopped with a durable snapshot at its last step; a new start resumes exactly there."""
-    evs = events(metrics)
+    """The run stopped with a durable snapshot at its last step; a new start resumes exactly
+    there."""
+    evs = read_json_lines(metrics)
     preempted = of(evs, "preempted")
     assert len(preempted) == 1, evs[-5:]
     k = preempted[0]["step"]
@@ -60,7 +62,7 @@ def _check_preempted_then_resume(processes: ProcessSet, tmp_path: Path, metrics:
     assert evs[-1]["event"] == "preempted"
 
     run_to_end(processes, "resume", torchrun_cmd(2, *args), timeout=90)
-    evs = events(metrics)
+    evs = read_json_lines(metrics)
     start = of(evs, "start")[-1]
     assert start["resumed_from"] == k
     after = [e["step"] for e in evs[evs.index(start):] if e["event"] == "step"]
@@ -84,8 +86,10 @@ def test_sigusr2_to_the_workers(processes: ProcessSet, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.skipif(not (_torchrun_has("--signals-to-handle") and _torchrun_has("--shutdown-timeout")),
-                    reason="torchrun has --signals-to-handle since torch 2.10, --shutdown-timeout since 2.12")
+@pytest.mark.skipif(not (_torchrun_has("--signals-to-handle")
+                         and _torchrun_has("--shutdown-timeout")),
+                    reason="torchrun has --signals-to-handle since torch 2.10, "
+                           "--shutdown-timeout since 2.12")
 def test_sigusr2_to_the_agent(processes: ProcessSet, tmp_path: Path) -> None:
     """torchrun forwards SIGUSR2 to the workers, waits for them, then exits 1.
 
@@ -96,7 +100,8 @@ def test_sigusr2_to_the_agent(processes: ProcessSet, tmp_path: Path) -> None:
     """
     ref = reference(processes, tmp_path, 2)
     metrics, args = _job(tmp_path)
-    agent = processes.spawn("agent", torchrun_cmd(2, *args, "--step-delay", "0.1", agent_args=HANDLE_USR2),
+    agent = processes.spawn("agent",
+                            torchrun_cmd(2, *args, "--step-delay", "0.1", agent_args=HANDLE_USR2),
                             env=env())
     wait_event(metrics, lambda e: e["event"] == "step" and e["step"] >= 8, 60, agent, "step 8")
     worker_pids(agent, 2)
@@ -124,7 +129,8 @@ def test_a_worker_told_by_its_peers_waits_for_its_own_signal(
     workers = worker_pids(agent, 2)
     signal_pids([workers[0]], signal.SIGUSR2)
     wait_event(metrics, lambda e: e["event"] == "preempted", 30, agent, "preempted")
-    wait_until(lambda: "[rank 1] INFO elastic_ext.preemption: a peer was signalled" in agent.output(),
+    wait_until(lambda: ("[rank 1] INFO elastic_ext.preemption: a peer was signalled"
+                        in agent.output()),
                timeout=10, what="rank 1 holding")
     if second_signal:
         assert not pid_gone(workers[1])  # holding, not exited 0 behind its agent's back
@@ -135,12 +141,13 @@ def test_a_worker_told_by_its_peers_waits_for_its_own_signal(
         assert finish(agent, 30) != 0  # torchrun sees rank 1's failure
         assert (1, 1) in exit_lines(agent)
         assert "no signal reached this worker within 2s" in agent.output()
-    preempted = of(events(metrics), "preempted")[0]
-    assert preempted["step"] in [e["step"] for e in of(events(metrics), "snapshot")]
+    preempted = of(read_json_lines(metrics), "preempted")[0]
+    assert preempted["step"] in [e["step"] for e in of(read_json_lines(metrics), "snapshot")]
 
 
 @pytest.mark.timeout(90)
-def test_sigterm_with_a_frozen_peer_leaves_within_the_grace(processes: ProcessSet, tmp_path: Path) -> None:
+def test_sigterm_with_a_frozen_peer_leaves_within_the_grace(processes: ProcessSet,
+                                                            tmp_path: Path) -> None:
     metrics, args = _job(tmp_path)
     agent = processes.spawn("agent", torchrun_cmd(2, *args, "--step-delay", "0.05"), env=env())
     wait_event(metrics, lambda e: e["event"] == "step" and e["step"] >= 5, 60, agent, "step 5")
@@ -156,7 +163,8 @@ def test_sigterm_with_a_frozen_peer_leaves_within_the_grace(processes: ProcessSe
 
 
 @pytest.mark.timeout(120)
-def test_peer_death_is_reported_and_the_survivor_holds(processes: ProcessSet, tmp_path: Path) -> None:
+def test_peer_death_is_reported_and_the_survivor_holds(processes: ProcessSet,
+                                                       tmp_path: Path) -> None:
     """Under an etcd-ext agent (its control directory, here faked) a survivor does not fail.
 
     The stock agent here restarts the group on rank 1's death; it SIGTERMs the holding
@@ -176,17 +184,20 @@ def test_peer_death_is_reported_and_the_survivor_holds(processes: ProcessSet, tm
         "agent", torchrun_cmd(2, *args, "--step-delay", "0.05",
                               agent_args=("--max-restarts=1", "--monitor-interval=3")),
         env=env(ELASTIC_EXT_CONTROL_DIR=str(control), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
-    wait_event(metrics, lambda e: e["event"] == "snapshot" and e["step"] >= 5, 60, agent, "snapshot 5")
+    wait_event(metrics, lambda e: e["event"] == "snapshot" and e["step"] >= 5, 60, agent,
+               "snapshot 5")
     workers = worker_pids(agent, 2)
     killed = time.monotonic()
     signal_pids([workers[1]], signal.SIGKILL)
     fault = wait_until(lambda: (control / "fault-0").exists() and (control / "fault-0").read_text(),
                        timeout=15, what="a fault report")
     assert isinstance(fault, str) and fault.startswith("rank 0: RuntimeError") and "gloo" in fault
-    wait_event(metrics, lambda e: e["event"] == "start" and e["restart"] == 1, 60, agent, "the restart")
-    assert time.monotonic() - killed < 20  # monitor interval + start-up; a held worker would add 30 s
+    wait_event(metrics, lambda e: e["event"] == "start" and e["restart"] == 1, 60, agent,
+               "the restart")
+    # monitor interval + start-up; a held worker would add 30 s
+    assert time.monotonic() - killed < 20
     assert finish(agent, 90) == 0
     log = agent.output()
     assert "reported to the etcd-ext agent" in log
     assert (0, 128 + signal.SIGTERM) in exit_lines(agent)  # stopped by its agent, promptly
-    assert of(events(metrics), "done")[-1]["params_sha256"] == ref.sha256
+    assert of(read_json_lines(metrics), "done")[-1]["params_sha256"] == ref.sha256

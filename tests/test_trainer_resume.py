@@ -1,15 +1,17 @@
-"""Bit-exact resume: a run SIGKILLed after a snapshot and started again ends as an uninterrupted one."""
+"""Bit-exact resume: a run SIGKILLed after a snapshot and started again ends as an uninterrupted
+one."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from support.processes import ProcessSet
-from support.trainer_runs import (
+
+from elastic_ext.jsonlines import read_json_lines
+from elastic_ext.local.processes import ProcessSet
+from tests.support.trainer_runs import (
     BASE_ARGS,
     env,
-    events,
     finish,
     of,
     reference,
@@ -25,7 +27,8 @@ from support.trainer_runs import (
 def test_killed_run_resumes_bit_exact(processes: ProcessSet, tmp_path: Path, nproc: int) -> None:
     ref = reference(processes, tmp_path, nproc)
     snaps, metrics = tmp_path / "snaps", tmp_path / "m.jsonl"
-    args = [*BASE_ARGS, "--snapshot-dir", str(snaps), "--snapshot-every", "5", "--metrics", str(metrics)]
+    args = [*BASE_ARGS, "--snapshot-dir", str(snaps), "--snapshot-every", "5",
+            "--metrics", str(metrics)]
 
     def cmd(*extra: str) -> list[str]:
         return trainer_cmd(*args, *extra) if nproc == 1 else torchrun_cmd(nproc, *args, *extra)
@@ -35,12 +38,12 @@ def test_killed_run_resumes_bit_exact(processes: ProcessSet, tmp_path: Path, npr
                       proc=first, what="a snapshot at step 10 or later")
     first.kill()  # SIGKILL to the agent and every worker, mid-run
     finish(first, timeout=10)
-    evs = events(metrics)
+    evs = read_json_lines(metrics)
     killed_at = max(e["step"] for e in of(evs, "step"))
     assert not of(evs, "done") and killed_at < 40
 
     run_to_end(processes, "second", cmd(), timeout=90)
-    evs = events(metrics)
+    evs = read_json_lines(metrics)
     start = of(evs, "start")[-1]
     newest_durable = max(e["step"] for e in of(evs, "snapshot") if e["step"] <= killed_at)
     assert start["resumed_from"] == newest_durable >= snap["step"]

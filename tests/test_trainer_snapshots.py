@@ -8,10 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.processes import ProcessSet
-from support.trainer_runs import env, events, finish, of, run_to_end, trainer_cmd
 
-from elastic_ext.snapshot import manifest_name, payload_name
+from elastic_ext.jsonlines import read_json_lines
+from elastic_ext.local.processes import ProcessSet
+from elastic_ext.snapshot.layout import manifest_name, payload_name
+from tests.support.trainer_runs import env, finish, of, run_to_end, trainer_cmd
 
 ARGS = ("--steps", "30", "--global-batch-size", "8", "--dataset-size", "64", "--seed", "3")
 
@@ -26,7 +27,7 @@ def test_damaged_newest_snapshot_falls_back_and_another_model_is_refused(
         processes: ProcessSet, tmp_path: Path) -> None:
     snaps, metrics = tmp_path / "snaps", tmp_path / "m.jsonl"
     run_to_end(processes, "first", _args(snaps, metrics), timeout=60)
-    uninterrupted = of(events(metrics), "done")[-1]["params_sha256"]
+    uninterrupted = of(read_json_lines(metrics), "done")[-1]["params_sha256"]
 
     # Corrupt: one flipped byte in the middle of the newest payload.
     newest = snaps / payload_name(30)
@@ -34,22 +35,23 @@ def test_damaged_newest_snapshot_falls_back_and_another_model_is_refused(
     data[len(data) // 2] ^= 0x01
     newest.write_bytes(bytes(data))
     second = run_to_end(processes, "corrupt", _args(snaps, metrics), timeout=60)
-    assert of(events(metrics), "start")[-1]["resumed_from"] == 20
+    assert of(read_json_lines(metrics), "start")[-1]["resumed_from"] == 20
     assert f"skipping snapshot {snaps / manifest_name(30)}" in second.output()
-    assert of(events(metrics), "done")[-1]["params_sha256"] == uninterrupted
+    assert of(read_json_lines(metrics), "done")[-1]["params_sha256"] == uninterrupted
 
     # Truncated: the newest payload (rewritten by the run above) cut short.
     with open(snaps / payload_name(30), "r+b") as f:
         f.truncate(1000)
     third = run_to_end(processes, "truncated", _args(snaps, metrics), timeout=60)
-    assert of(events(metrics), "start")[-1]["resumed_from"] == 20
+    assert of(read_json_lines(metrics), "start")[-1]["resumed_from"] == 20
     assert f"skipping snapshot {snaps / manifest_name(30)}" in third.output()
     assert "truncated" in third.output()
-    assert of(events(metrics), "done")[-1]["params_sha256"] == uninterrupted
+    assert of(read_json_lines(metrics), "done")[-1]["params_sha256"] == uninterrupted
 
     # Another model: refused with a clear error, nothing trained, snapshots untouched.
     before = sorted(p.name for p in snaps.iterdir())
-    other = processes.spawn("other-model", _args(snaps, metrics, "--model-size", "small"), env=env())
+    other = processes.spawn("other-model", _args(snaps, metrics, "--model-size", "small"),
+                            env=env())
     assert finish(other, 60) != 0
     assert "SnapshotMismatchError" in other.output() and "different model" in other.output()
     assert sorted(p.name for p in snaps.iterdir()) == before
@@ -80,9 +82,10 @@ def test_disk_full_training_goes_on_and_the_previous_snapshot_loads(
     first = processes.spawn("full", args, env=env())
     code = finish(first, 60)
     log = first.output()
-    evs = events(metrics)
+    evs = read_json_lines(metrics)
     assert [e["step"] for e in of(evs, "snapshot")] == [5, 10]
-    assert "snapshot of step 15 failed, training goes on" in log and "No space left on device" in log
+    assert ("snapshot of step 15 failed, training goes on" in log
+            and "No space left on device" in log)
     assert max(e["step"] for e in of(evs, "step")) == 30  # it trained on past the failures
     # The last snapshot is the job's result: failing to write it is an error, and a clear one.
     assert code == 1 and not of(evs, "done")
@@ -91,4 +94,4 @@ def test_disk_full_training_goes_on_and_the_previous_snapshot_loads(
 
     second = processes.spawn("after", args, env=env())
     finish(second, 60)
-    assert of(events(metrics), "start")[-1]["resumed_from"] == 10
+    assert of(read_json_lines(metrics), "start")[-1]["resumed_from"] == 10

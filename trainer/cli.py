@@ -16,22 +16,26 @@ from trainer.train import TrainSettings
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m trainer",
-        description="Elastic DDP trainer on a synthetic task, with snapshots and preemption handling.")
+        description="Elastic DDP trainer on a synthetic task, with snapshots and preemption "
+                    "handling.")
     p.add_argument("--steps", type=int, default=100, help="total optimizer steps (default 100)")
     p.add_argument("--global-batch-size", type=int, default=32,
                    help="samples per step across all ranks, whatever the world size (default 32)")
     p.add_argument("--snapshot-dir", type=Path, default=None,
-                   help="where global rank 0 writes snapshots; all ranks read it (shared filesystem)")
+                   help="where global rank 0 writes snapshots; all ranks read it "
+                        "(shared filesystem)")
     p.add_argument("--snapshot-every", type=int, default=0,
                    help="commit a snapshot every K steps (0: only on preemption and at the end)")
     p.add_argument("--keep", type=int, default=3, help="snapshots to keep (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model, the data and its order")
-    p.add_argument("--metrics", type=Path, default=None, help="JSON-lines event file (rank 0 appends)")
+    p.add_argument("--metrics", type=Path, default=None,
+                   help="JSON-lines event file (rank 0 appends)")
     p.add_argument("--step-delay", type=float, default=0.0,
                    help="seconds of sleep added to every step (slow, steady jobs for tests)")
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny",
                    help="student size: tiny (~7 KB), small (~0.6 MB), 100mb (~101 MB)")
-    p.add_argument("--dataset-size", type=int, default=1024, help="samples per epoch (default 1024)")
+    p.add_argument("--dataset-size", type=int, default=1024,
+                   help="samples per epoch (default 1024)")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of AdamW")
     p.add_argument("--warmup-steps", type=int, default=10, help="linear warmup steps")
     p.add_argument("--collective-timeout", type=float, default=60.0,
@@ -40,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after SIGTERM/SIGINT, seconds to reach the step boundary before exiting "
                         "without a snapshot (default 3)")
     p.add_argument("--preempt-grace", type=float, default=30.0,
-                   help="the same after SIGUSR2; keep it below torchrun's --shutdown-timeout (default 30)")
+                   help="the same after SIGUSR2; keep it below torchrun's --shutdown-timeout "
+                        "(default 30)")
     p.add_argument("--hold-timeout", type=float, default=60.0,
                    help="seconds to wait for this worker's own signal, or for the etcd-ext agent "
                         "after a peer failure, before exiting non-zero (default 60)")

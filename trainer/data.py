@@ -67,7 +67,8 @@ def shard_bounds(batch_size: int, rank: int, world_size: int) -> tuple[int, int]
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world size {world_size}")
     if batch_size < world_size:
-        raise ValueError(f"global batch size {batch_size} is smaller than the world size {world_size}")
+        raise ValueError(f"global batch size {batch_size} is smaller than the world size "
+                         f"{world_size}")
     base, extra = divmod(batch_size, world_size)
     start = rank * base + min(rank, extra)
     return start, start + base + (1 if rank < extra else 0)

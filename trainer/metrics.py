@@ -47,17 +47,3 @@ class MetricsLog:
                 self._file.close()
                 self._file = None
 
-
-def read_events(path: Path) -> list[dict[str, Any]]:
-    """Parse a metrics file, ignoring a last line still being written."""
-    events = []
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return []
-    for line in text.splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return events

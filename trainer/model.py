@@ -25,7 +25,7 @@ class ModelSize:
 
     def parameter_count(self) -> int:
         dims = [self.inputs] + [self.hidden] * self.depth + [self.outputs]
-        return sum(a * b + b for a, b in zip(dims, dims[1:]))
+        return sum(a * b + b for a, b in zip(dims, dims[1:], strict=False))
 
 
 MODEL_SIZES: dict[str, ModelSize] = {
@@ -40,7 +40,7 @@ class MLP(nn.Module):
         super().__init__()
         dims = [size.inputs] + [size.hidden] * size.depth
         layers: list[nn.Module] = []
-        for a, b in zip(dims, dims[1:]):
+        for a, b in zip(dims, dims[1:], strict=False):
             layers += [nn.Linear(a, b), nn.GELU()]
         layers.append(nn.Linear(dims[-1], size.outputs))
         self.net = nn.Sequential(*layers)

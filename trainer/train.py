@@ -80,7 +80,8 @@ class DistEnv:
 
 
 def lr_factor(step: int, total: int, warmup: int) -> float:
-    """Linear warmup, then cosine decay to 10%: a function of the step only, not of the world size."""
+    """Linear warmup, then cosine decay to 10%: a function of the step only,
+    not of the world size."""
     ramp = min(1.0, (step + 1) / max(1, warmup))
     progress = min(step, total) / max(1, total)
     return ramp * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
@@ -98,7 +99,7 @@ def init_distributed(env: DistEnv, timeout_s: float) -> torch.device:
     if env.under_launcher:
         dist.init_process_group(backend, timeout=timeout)
     else:  # a lone process: same code path, a one-rank group
-        store = dist.HashStore()  # type: ignore[attr-defined]
+        store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     return device
 
@@ -170,7 +171,8 @@ class Trainer:
         size = MODEL_SIZES[settings.model_size]
         self.task = SyntheticTask.make(size, settings.seed, settings.dataset_size)
         self.model = build_model(size, settings.seed).to(self.device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, weight_decay=0.01)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr,
+                                           weight_decay=0.01)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, partial(lr_factor, total=settings.steps, warmup=settings.warmup_steps))
         self.snapshots = (Snapshotter(settings.snapshot_dir, keep=settings.keep)
@@ -201,7 +203,8 @@ class Trainer:
                                 f"--dataset-size {data['dataset_size']}; this run has {s.seed} and "
                                 f"{s.dataset_size}, so its data order would not continue")
         if data["global_batch_size"] != s.global_batch_size:
-            logger.warning("global batch size changed from %d to %d; the epoch continues at sample %d",
+            logger.warning("global batch size changed from %d to %d; "
+                           "the epoch continues at sample %d",
                            data["global_batch_size"], s.global_batch_size, data["offset"])
         self.step = restored.step
         self.position = DataPosition.from_state(data)
@@ -234,8 +237,8 @@ class Trainer:
             self.metrics.emit("step", self.step, loss=agreed.values[0].item() / s.global_batch_size)
             if agreed.stop:
                 self._preempted()
-            if (self.snapshots is not None and s.snapshot_every > 0 and self.step % s.snapshot_every == 0
-                    and self.step < s.steps):
+            if (self.snapshots is not None and s.snapshot_every > 0
+                    and self.step % s.snapshot_every == 0 and self.step < s.steps):
                 future = self.snapshots.commit(self.step, self._state())
                 future.add_done_callback(partial(_report_snapshot, self.metrics, self.step))
         self.guard.begin_commit()
@@ -264,7 +267,8 @@ class Trainer:
     def _preempted(self) -> None:
         received = self.guard.signalled
         logger.warning("stopping at step %d: %s", self.step,
-                       f"got {signal.Signals(received).name}" if received else "a peer was signalled")
+                       f"got {signal.Signals(received).name}" if received
+                       else "a peer was signalled")
         self._commit_now()
         self.metrics.emit("preempted", self.step,
                           signal=signal.Signals(received).name if received else None)

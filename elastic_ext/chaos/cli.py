@@ -57,25 +57,31 @@ def add_arguments(parser: argparse.ArgumentParser, name: str = "chaos") -> None:
         f"  {key:<18} default {default:<8} {text}" for key, default, text in settings_help())
     parser.add_argument("scenarios", nargs="*", metavar="SCENARIO",
                         help="built-in name, ci, full, a scenario file, or -")
-    parser.add_argument("--list", action="store_true", help="list the built-in scenarios and groups")
-    parser.add_argument("--show", metavar="NAME", help="print a built-in scenario, to copy and edit")
+    parser.add_argument("--list", action="store_true",
+                        help="list the built-in scenarios and groups")
+    parser.add_argument("--show", metavar="NAME",
+                        help="print a built-in scenario, to copy and edit")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a setting of every scenario run (repeatable)")
     parser.add_argument("--report", type=Path, metavar="DIR",
                         help="write NAME.json and NAME.png (timeline) per scenario, and index.json")
     parser.add_argument("--workdir", type=Path, metavar="DIR",
-                        help="where the jobs run (default: a temporary directory, removed after a pass)")
-    parser.add_argument("--keep", action="store_true", help="keep the work directories after a pass too")
+                        help="where the jobs run "
+                             "(default: a temporary directory, removed after a pass)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the work directories after a pass too")
     parser.add_argument("--module", default="trainer",
-                        help="training module run by torchrun -m; it must accept the trainer's flags and "
-                             "write its metrics file (default: the bundled trainer)")
+                        help="training module run by torchrun -m; it must accept the trainer's "
+                             "flags and write its metrics file (default: the bundled trainer)")
     parser.add_argument("--trainer-arg", action="append", default=[], metavar="ARG",
                         help="one more argument for the training module (repeatable)")
     parser.add_argument("--no-reference", action="store_true",
-                        help="skip the uninterrupted run that the final parameters are compared with")
+                        help="skip the uninterrupted run that the final parameters are "
+                             "compared with")
     parser.add_argument("--reference-cache", type=Path, default=default_cache(), metavar="DIR",
                         help="where uninterrupted runs' results are kept (default %(default)s)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log the harness's actions to stderr")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log the harness's actions to stderr")
 
 
 def _load(selector: str, overrides: dict[str, str], stdin: TextIO) -> list[Scenario]:
@@ -90,7 +96,8 @@ def _load(selector: str, overrides: dict[str, str], stdin: TextIO) -> list[Scena
     else:
         path = Path(selector)
         if not path.is_file():
-            raise ScenarioError(f"{selector!r} is neither a built-in scenario ({', '.join(matrix.SCENARIOS)}, "
+            raise ScenarioError(f"{selector!r} is neither a built-in scenario "
+                                f"({', '.join(matrix.SCENARIOS)}, "
                                 f"or a group: {', '.join(matrix.GROUPS)}) nor a file")
         scenarios = [parse(path.read_text(), path.stem)]
     return [s.with_settings(overrides) for s in scenarios]
@@ -117,8 +124,8 @@ def _one_line(result: RunResult) -> str:
     verdict = result.verdict
     assert verdict is not None and result.observation is not None
     faults = [f for f in result.observation.faults if not f.restore]
-    facts = (f"{len(faults)} fault(s), {len(verdict.restarts)} restart(s), lost {verdict.lost_steps} step(s), "
-             f"params {verdict.params_check}")
+    facts = (f"{len(faults)} fault(s), {len(verdict.restarts)} restart(s), "
+             f"lost {verdict.lost_steps} step(s), params {verdict.params_check}")
     return f"{'PASS' if verdict.ok else 'FAIL'} {result.scenario.name} in {took}: {facts}"
 
 
@@ -137,7 +144,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None, stdin: TextIO | Non
         return EXIT_OK
     if args.show:
         if args.show not in matrix.SCENARIOS:
-            out.write(f"no built-in scenario {args.show!r}; built in: {', '.join(matrix.SCENARIOS)}\n")
+            out.write(f"no built-in scenario {args.show!r}; "
+                      f"built in: {', '.join(matrix.SCENARIOS)}\n")
             return EXIT_USAGE
         out.write(matrix.text(args.show))
         return EXIT_OK
@@ -163,7 +171,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None, stdin: TextIO | Non
         out.write(f"running {scenario.name} ({len(scenario.faults)} fault(s), "
                   f"{scenario.settings.nodes} node(s), {scenario.settings.store})...\n")
         out.flush()
-        options = RunOptions(workdir=workdir, module=args.module, trainer_extra=tuple(args.trainer_arg),
+        options = RunOptions(workdir=workdir, module=args.module,
+                             trainer_extra=tuple(args.trainer_arg),
                              reference=not args.no_reference, reference_cache=args.reference_cache)
         result = run_scenario(scenario, options)
         results.append(result)
@@ -194,6 +203,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None, stdin: TextIO | Non
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m elastic_ext.chaos``: the same command without the ``elastic-ext`` wrapper."""
     parser = argparse.ArgumentParser(prog="elastic-ext chaos",
-                                     description="run a local job under a fault scenario and check invariants")
+                                     description="run a local job under a fault scenario and "
+                                                 "check invariants")
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -2,8 +2,8 @@
 
 Each action returns the :class:`FaultRecord` that goes into the timeline and, for
 a fault with a duration, the :class:`Undo` that ends it. Targets are resolved
-when the fault fires, from what the agents logged: ``rank0`` is the node whose
-agent last reported group rank 0, ``other`` a live node that is neither that one
+when the fault fires, from the agents' rendezvous events: ``rank0`` is the node
+whose agent last joined a round as group rank 0, ``other`` a live node that is neither that one
 nor the embedded store's host nor already frozen or cut off.
 """
 
@@ -13,7 +13,6 @@ import contextlib
 import errno
 import logging
 import os
-import re
 import signal
 import time
 from collections.abc import Callable
@@ -29,7 +28,6 @@ from elastic_ext.local.job import LocalJob, Node
 logger = logging.getLogger(__name__)
 
 FILLER = ".chaos-fill"
-_STORE_HOST_LINE = re.compile(r"hosts the embedded etcd-ext store")
 
 
 class InjectionError(RuntimeError):
@@ -62,11 +60,6 @@ class Injector:
     def _live(self) -> list[Node]:
         return [n for n in self.job.nodes if n.alive() and n.name not in self.killed]
 
-    def _store_host(self) -> Node | None:
-        if self.job.spec.store != "embedded":
-            return None
-        return next((n for n in self.job.nodes if _STORE_HOST_LINE.search(n.proc.output())), None)
-
     def nodes(self, target: str) -> list[Node]:
         live = self._live()
         if target == "all":
@@ -83,7 +76,7 @@ class Injector:
             if rank0 is None:
                 raise InjectionError("no live node reports group rank 0")
             return [rank0]
-        host = self._store_host()
+        host = self.job.store_host()
         for node in live:
             if node is not rank0 and node is not host and node.name not in self.impaired:
                 return [node]
@@ -98,7 +91,8 @@ class Injector:
         action = fault.action
         handler = getattr(self, "_" + action.verb.replace("-", "_"))
         detail, undo = handler(action)
-        record = FaultRecord(time.time(), action.describe(), action.verb, crash=action.crash, detail=detail)
+        record = FaultRecord(time.time(), action.describe(), action.verb, crash=action.crash,
+                             detail=detail)
         logger.info("fault: %s (%s)", record.description, detail)
         return record, undo
 
@@ -198,7 +192,8 @@ class Injector:
             for member in members:
                 cluster.wait_healthy(member)
             return ", ".join(m.name for m in members) + " back on their data directories"
-        return names, Undo(time.time() + action.duration, f"start etcd {names} again", "etcd-back", restart)
+        return names, Undo(time.time() + action.duration, f"start etcd {names} again", "etcd-back",
+                           restart)
 
     def _fill_disk(self, action: Action) -> tuple[str, Undo | None]:
         filler = self.snapshot_dir / FILLER

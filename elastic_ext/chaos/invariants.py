@@ -58,7 +58,8 @@ class Observation:
     events: tuple[Event, ...]
     steps: int
     faults: tuple[FaultRecord, ...] = ()
-    snapshots_seen: tuple[tuple[int, float], ...] = ()  # (step, unix time its manifest was first seen)
+    # (step, unix time its manifest was first seen)
+    snapshots_seen: tuple[tuple[int, float], ...] = ()
     nodes: tuple[NodeOutcome, ...] = ()
     leftovers: tuple[str, ...] = ()      # processes still alive after the job, described
     bound_ports: tuple[int, ...] = ()    # the job's ports still listening after it ended
@@ -150,8 +151,8 @@ def split_segments(events: Iterable[Event]) -> tuple[list[Segment], list[Event]]
         steps = [e for e in current if e.get("event") == "step"]
         kinds = {e.get("event") for e in current}
         end = "done" if "done" in kinds else "preempted" if "preempted" in kinds else "cut"
-        segments.append(Segment(float(start["time"]), int(start["world_size"]), start.get("resumed_from"),
-                                tuple(int(e["step"]) for e in steps),
+        segments.append(Segment(float(start["time"]), int(start["world_size"]),
+                                start.get("resumed_from"), tuple(int(e["step"]) for e in steps),
                                 tuple(float(e["time"]) for e in steps), end, tuple(current)))
 
     for event in events:
@@ -166,7 +167,8 @@ def split_segments(events: Iterable[Event]) -> tuple[list[Segment], list[Event]]
     return segments, stray
 
 
-def durable_snapshots(events: Iterable[Event], seen: Iterable[tuple[int, float]]) -> list[tuple[int, float]]:
+def durable_snapshots(events: Iterable[Event],
+                      seen: Iterable[tuple[int, float]]) -> list[tuple[int, float]]:
     """``(step, time)`` of every snapshot known to be durable: logged or seen on disk."""
     found = {(int(e["step"]), float(e["time"])) for e in events if e.get("event") == "snapshot"}
     found.update((int(step), float(when)) for step, when in seen)
@@ -195,37 +197,47 @@ def check(obs: Observation) -> Verdict:
 
     # 5. the step sequence is consistent
     if stray:
-        violations.append(Violation(CONSISTENT, f"{len(stray)} event(s) logged before the first start, "
-                                                f"the first: {dict(stray[0])}"))
+        violations.append(Violation(CONSISTENT,
+                                    f"{len(stray)} event(s) logged before the first start, "
+                                    f"the first: {dict(stray[0])}"))
     for index, seg in enumerate(segments):
         expected = list(range(seg.base + 1, seg.base + 1 + len(seg.steps)))
         if list(seg.steps) != expected:
-            bad = next(i for i, (got, want) in enumerate(zip(seg.steps, expected)) if got != want)
+            bad = next(i for i, (got, want) in enumerate(zip(seg.steps, expected, strict=True))
+                       if got != want)
             before = seg.steps[bad - 1] if bad else seg.base
-            violations.append(Violation(CONSISTENT, f"round started at {at(seg.start_time)} (resumed from "
-                                                    f"{seg.base}) logged step {seg.steps[bad]} after "
-                                                    f"{before}, expected {expected[bad]}"))
-        worlds = {int(e["world_size"]) for e in seg.events if e.get("event") == "step"} - {seg.world_size}
+            violations.append(Violation(CONSISTENT,
+                                        f"round started at {at(seg.start_time)} (resumed from "
+                                        f"{seg.base}) logged step {seg.steps[bad]} after "
+                                        f"{before}, expected {expected[bad]}"))
+        worlds = ({int(e["world_size"]) for e in seg.events if e.get("event") == "step"}
+                  - {seg.world_size})
         if worlds:
-            violations.append(Violation(CONSISTENT, f"round started at {at(seg.start_time)} at world size "
-                                                    f"{seg.world_size} logged steps at {sorted(worlds)}"))
+            violations.append(Violation(CONSISTENT,
+                                        f"round started at {at(seg.start_time)} at world size "
+                                        f"{seg.world_size} logged steps at {sorted(worlds)}"))
         for event in seg.events:
             kind = event.get("event")
             if kind in ("done", "preempted") and int(event["step"]) != seg.last_step:
-                violations.append(Violation(CONSISTENT, f"'{kind}' at step {event['step']} but the round's "
-                                                        f"last step was {seg.last_step}"))
+                violations.append(Violation(CONSISTENT,
+                                            f"'{kind}' at step {event['step']} but the round's "
+                                            f"last step was {seg.last_step}"))
         if seg.end == "done" and index != len(segments) - 1:
-            violations.append(Violation(CONSISTENT, f"training started again at {at(segments[index + 1].start_time)}"
-                                                    f" after 'done' at step {seg.last_step}"))
+            violations.append(Violation(CONSISTENT,
+                                        "training started again at "
+                                        f"{at(segments[index + 1].start_time)}"
+                                        f" after 'done' at step {seg.last_step}"))
         if seg.resumed_from is not None and index > 0:
             known = {step for step, t in snapshots if t <= seg.start_time}
             if seg.resumed_from not in known:
-                violations.append(Violation(CONSISTENT, f"round started at {at(seg.start_time)} resumed from "
-                                                        f"step {seg.resumed_from}, but no snapshot of that "
-                                                        "step was seen"))
+                violations.append(Violation(CONSISTENT,
+                                            f"round started at {at(seg.start_time)} resumed from "
+                                            f"step {seg.resumed_from}, but no snapshot of that "
+                                            "step was seen"))
     if segments and segments[0].resumed_from is not None:
-        violations.append(Violation(CONSISTENT, f"the first round resumed from step {segments[0].resumed_from}"
-                                                " of an older run (the snapshot directory was not empty)"))
+        violations.append(Violation(CONSISTENT,
+                                    f"the first round resumed from step {segments[0].resumed_from}"
+                                    " of an older run (the snapshot directory was not empty)"))
 
     # 2. nothing lost beyond what a crash allows
     restarts: list[Restart] = []
@@ -238,19 +250,23 @@ def check(obs: Observation) -> Verdict:
                                 old.step_times[-1] if old.step_times else None, old.world_size,
                                 new.world_size, last, resumed, max(0, last - resumed), bool(crash)))
         if resumed > last:
-            violations.append(Violation(CONSISTENT, f"round started at {at(new.start_time)} resumed from step "
-                                                    f"{resumed}, past the last logged step {last}"))
+            violations.append(Violation(CONSISTENT,
+                                        f"round started at {at(new.start_time)} resumed from step "
+                                        f"{resumed}, past the last logged step {last}"))
             continue
         if newest is not None and resumed < newest:
-            violations.append(Violation(LOST_STEPS, f"round started at {at(new.start_time)} resumed from step "
-                                                    f"{resumed} although the snapshot of step {newest} was "
-                                                    f"durable: {_steps_text(resumed + 1, newest)} lost"))
+            violations.append(Violation(LOST_STEPS,
+                                        f"round started at {at(new.start_time)} resumed from step "
+                                        f"{resumed} although the snapshot of step {newest} was "
+                                        f"durable: {_steps_text(resumed + 1, newest)} lost"))
         elif last > resumed and not crash:
-            causes = [f.description for f in obs.faults if old.start_time < f.time <= new.start_time]
+            causes = [f.description for f in obs.faults
+                      if old.start_time < f.time <= new.start_time]
             why = f"after {', '.join(causes)}" if causes else "with no fault injected"
-            violations.append(Violation(LOST_STEPS, f"round started at {at(new.start_time)} {why} resumed "
-                                                    f"from step {resumed}: {_steps_text(resumed + 1, last)} "
-                                                    "lost though no node crashed"))
+            violations.append(Violation(LOST_STEPS,
+                                        f"round started at {at(new.start_time)} {why} resumed "
+                                        f"from step {resumed}: {_steps_text(resumed + 1, last)} "
+                                        "lost though no node crashed"))
 
     # 1. the job reaches its last step, and every node we did not kill ends cleanly
     done = [e for e in obs.events if e.get("event") == "done"]
@@ -258,22 +274,26 @@ def check(obs: Observation) -> Verdict:
     final_sha = done[-1].get("params_sha256") if done else None
     if not done:
         reached = max((s.last_step for s in segments), default=0)
-        violations.append(Violation(LAST_STEP, f"no 'done' event: training got to step {reached} of "
-                                               f"{obs.steps}"))
+        violations.append(Violation(LAST_STEP,
+                                    f"no 'done' event: training got to step {reached} of "
+                                    f"{obs.steps}"))
     elif final_step != obs.steps:
         violations.append(Violation(LAST_STEP, f"'done' at step {final_step}, not {obs.steps}"))
     for node in obs.nodes:
         if node.killed:
             continue
         if node.exit_code is None:
-            violations.append(Violation(LAST_STEP, f"{node.name} was still running when the scenario ended"))
+            violations.append(Violation(LAST_STEP,
+                                        f"{node.name} was still running when the scenario ended"))
         elif node.exit_code != 0:
-            violations.append(Violation(LAST_STEP, f"{node.name} exited with status {node.exit_code}"))
+            violations.append(Violation(LAST_STEP,
+                                        f"{node.name} exited with status {node.exit_code}"))
 
     # 3. bit-exact with an uninterrupted run when the world size never changed
     sizes = sorted({s.world_size for s in segments})
     if len(sizes) != 1:
-        params_check = f"not applicable: the world size changed ({', '.join(map(str, sizes)) or 'none'})"
+        params_check = ("not applicable: the world size changed "
+                        f"({', '.join(map(str, sizes)) or 'none'})")
     elif final_sha is None:
         params_check = "not checked: no final params_sha256"
     elif obs.reference_sha is None:
@@ -282,9 +302,10 @@ def check(obs: Observation) -> Verdict:
         params_check = f"equal ({final_sha[:12]}…)"
     else:
         params_check = f"different: {final_sha[:12]}… against {obs.reference_sha[:12]}…"
-        violations.append(Violation(SAME_PARAMS, f"final params_sha256 {final_sha} differs from the "
-                                                 f"uninterrupted run's {obs.reference_sha} at world size "
-                                                 f"{sizes[0]}"))
+        violations.append(Violation(SAME_PARAMS,
+                                    f"final params_sha256 {final_sha} differs from the "
+                                    f"uninterrupted run's {obs.reference_sha} at world size "
+                                    f"{sizes[0]}"))
 
     # 4. nothing left behind
     for leftover in obs.leftovers:
@@ -292,7 +313,8 @@ def check(obs: Observation) -> Verdict:
     if obs.bound_ports:
         violations.append(Violation(LEFTOVERS, "ports still listening after the job: "
                                                + ", ".join(map(str, sorted(obs.bound_ports)))))
-    return Verdict(tuple(violations), tuple(segments), tuple(restarts), params_check, final_step, final_sha)
+    return Verdict(tuple(violations), tuple(segments), tuple(restarts), params_check, final_step,
+                   final_sha)
 
 
 def listening_ports(proc_net_tcp: str) -> set[int]:

@@ -127,7 +127,8 @@ CI = ("kill-worker", "kill-rank0", "join", "preempt", "etcd-leader")
 """The fast subset CI runs: a worker crash, rank 0's machine dying, a join, a preemption
 and an etcd leader failure (the rest are in ``full``)."""
 
-GROUPS: dict[str, tuple[str, ...]] = {"ci": CI, "full": tuple(name for name in SCENARIOS if name != "tour")}
+GROUPS: dict[str, tuple[str, ...]] = {"ci": CI,
+                                      "full": tuple(name for name in SCENARIOS if name != "tour")}
 
 
 def text(name: str) -> str:

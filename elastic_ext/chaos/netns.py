@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 from elastic_ext.chaos.invariants import listening_ports
 from elastic_ext.local.job import Host
-from elastic_ext.local.processes import pid_alive
+from elastic_ext.procinfo import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,8 @@ def call_in(namespace: str, fn: Callable[[], T]) -> T:
     return box["value"]
 
 
-def _read_tcp_tables() -> str:
+def read_tcp_tables() -> str:
+    """The TCP tables of the calling thread's network namespace, for ``listening_ports``."""
     texts = []
     for name in ("tcp", "tcp6"):
         with contextlib.suppress(OSError):
@@ -195,10 +196,13 @@ class NetnsLab:
                     logger.warning("removing lab %s left by a harness that is gone", owner.stem)
                     cls(LabPlan(index)).down()
             routed = {line.split()[1] if line.split()[0] in ("blackhole", "unreachable", "prohibit")
-                      else line.split()[0] for line in _ip("route", "show", "table", "all").splitlines()
+                      else line.split()[0]
+                      for line in _ip("route", "show", "table", "all").splitlines()
                       if line.split()}
-            taken = {int(p.name[len(PREFIX):].split("-")[0]) for p in Path("/run/netns").glob(f"{PREFIX}*-sw")
-                     if p.name[len(PREFIX):].split("-")[0].isdigit()} if Path("/run/netns").exists() else set()
+            taken = ({int(p.name[len(PREFIX):].split("-")[0])
+                      for p in Path("/run/netns").glob(f"{PREFIX}*-sw")
+                      if p.name[len(PREFIX):].split("-")[0].isdigit()}
+                     if Path("/run/netns").exists() else set())
             for index in range(1 + os.getpid() % 254, 255):
                 plan = LabPlan(index)
                 if index in taken or plan.subnet in routed:
@@ -224,7 +228,8 @@ class NetnsLab:
         _ip("-n", plan.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", plan.switch, "addr", "add", f"{plan.store_address}/24", "dev", "br0")
         _ip("-n", plan.switch, "link", "set", "br0", "up")
-        logger.info("lab %s: %s behind a blackhole route, switch %s", plan.name, plan.subnet, plan.switch)
+        logger.info("lab %s: %s behind a blackhole route, switch %s", plan.name, plan.subnet,
+                    plan.switch)
 
     @property
     def store_host(self) -> Host:
@@ -237,8 +242,8 @@ class NetnsLab:
         if node not in self.nodes:
             _ip("netns", "add", ns)
             self.nodes.append(node)
-            _ip("-n", plan.switch, "link", "add", f"v{node}", "type", "veth", "peer", "name", "eth0",
-                "netns", ns)
+            _ip("-n", plan.switch, "link", "add", f"v{node}", "type", "veth", "peer", "name",
+                "eth0", "netns", ns)
             _ip("-n", plan.switch, "link", "set", f"v{node}", "master", "br0", "up")
             _ip("-n", ns, "addr", "add", f"{plan.node_address(node)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
@@ -260,7 +265,7 @@ class NetnsLab:
         """Ports in LISTEN state inside each of the lab's namespaces (all ours)."""
         found = {}
         for ns in [self.plan.switch, *(self.plan.node_ns(i) for i in self.nodes)]:
-            ports = call_in(ns, lambda: listening_ports(_read_tcp_tables()))
+            ports = call_in(ns, lambda: listening_ports(read_tcp_tables()))
             if ports:
                 found[ns] = ports
         return found

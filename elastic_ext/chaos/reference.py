@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from elastic_ext.local.job import read_events
+from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.local.processes import ProcessSet
 
 logger = logging.getLogger(__name__)
@@ -34,8 +34,9 @@ def trainer_args(*, module: str, steps: int, global_batch_size: int, seed: int, 
                  extra: Sequence[str] = ()) -> list[str]:
     """``-m MODULE`` and the trainer contract's flags (``python -m trainer --help``)."""
     return ["-m", module, "--steps", str(steps), "--global-batch-size", str(global_batch_size),
-            "--seed", str(seed), "--snapshot-every", str(snapshot_every), "--model-size", model_size,
-            "--step-delay", f"{step_delay:g}", "--metrics", str(metrics), "--snapshot-dir", str(snapshot_dir),
+            "--seed", str(seed), "--snapshot-every", str(snapshot_every),
+            "--model-size", model_size, "--step-delay", f"{step_delay:g}",
+            "--metrics", str(metrics), "--snapshot-dir", str(snapshot_dir),
             *extra]
 
 
@@ -73,8 +74,9 @@ def reference_sha(args: Sequence[str], world_size: int, workdir: Path, *, cache_
     metrics = run_dir / "metrics.jsonl"
     cmd_args = _with(_with(_with(args, "--metrics", str(metrics)), "--snapshot-dir",
                            str(run_dir / "snapshots")), "--step-delay", "0")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-           "--max-restarts=0", "--monitor-interval=0.1", *cmd_args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={world_size}", "--max-restarts=0", "--monitor-interval=0.1",
+           *cmd_args]
     env = dict(os.environ, OMP_NUM_THREADS="1", LOGLEVEL="WARNING")
     processes = ProcessSet(run_dir / "logs")
     logger.info("reference run at world size %d in %s", world_size, run_dir)
@@ -82,10 +84,11 @@ def reference_sha(args: Sequence[str], world_size: int, workdir: Path, *, cache_
         proc = processes.spawn("reference", cmd, env=env)
         code = proc.wait(timeout)
     except Exception as exc:
-        raise ReferenceError(f"the uninterrupted run did not finish in {timeout:g}s: {exc}") from exc
+        raise ReferenceError(f"the uninterrupted run did not finish in {timeout:g}s: "
+                             f"{exc}") from exc
     finally:
         processes.cleanup()
-    done = [e for e in read_events(metrics) if e.get("event") == "done"]
+    done = [e for e in read_json_lines(metrics) if e.get("event") == "done"]
     if code != 0 or not done:
         raise ReferenceError(f"the uninterrupted run exited with {code}; its log: "
                              f"{proc.log}\n{proc.output()[-2000:]}")
@@ -93,6 +96,7 @@ def reference_sha(args: Sequence[str], world_size: int, workdir: Path, *, cache_
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"params_sha256": sha, "world_size": world_size, "args": list(args)}))
+        tmp.write_text(json.dumps({"params_sha256": sha, "world_size": world_size,
+                                   "args": list(args)}))
         tmp.replace(cached)
     return sha

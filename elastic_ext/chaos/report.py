@@ -60,15 +60,20 @@ def summary(result: RunResult) -> dict[str, Any]:
         return None if t is None else _round(t - t0)
 
     out.update({
-        "violations": [{"invariant": v.invariant, "message": v.message} for v in verdict.violations],
-        "faults": [{"t": rel(f.time), "description": f.description, "verb": f.verb, "detail": f.detail,
-                    "crash": f.crash, "restore": f.restore} for f in obs.faults],
-        "rounds": [{"t": rel(s.start_time), "world_size": s.world_size, "resumed_from": s.resumed_from,
-                    "first_step": s.steps[0] if s.steps else None, "last_step": s.last_step, "end": s.end}
+        "violations": [{"invariant": v.invariant, "message": v.message}
+                       for v in verdict.violations],
+        "faults": [{"t": rel(f.time), "description": f.description, "verb": f.verb,
+                    "detail": f.detail, "crash": f.crash, "restore": f.restore}
+                   for f in obs.faults],
+        "rounds": [{"t": rel(s.start_time), "world_size": s.world_size,
+                    "resumed_from": s.resumed_from, "first_step": s.steps[0] if s.steps else None,
+                    "last_step": s.last_step, "end": s.end}
                    for s in verdict.segments],
-        "restarts": [{"t": rel(r.time), "recovered_t": rel(r.recovered_at), "downtime_s": _round(r.downtime),
-                      "world_before": r.world_before, "world_after": r.world_after, "last_step": r.last_step,
-                      "resumed_from": r.resumed_from, "lost_steps": r.lost, "after_crash": r.crash_allowed}
+        "restarts": [{"t": rel(r.time), "recovered_t": rel(r.recovered_at),
+                      "downtime_s": _round(r.downtime), "world_before": r.world_before,
+                      "world_after": r.world_after, "last_step": r.last_step,
+                      "resumed_from": r.resumed_from, "lost_steps": r.lost,
+                      "after_crash": r.crash_allowed}
                      for r in verdict.restarts],
         "lost_steps": verdict.lost_steps,
         "final_step": verdict.final_step,
@@ -90,7 +95,8 @@ def write_json(result: RunResult, path: Path) -> Path:
     return path
 
 
-def step_rate(times: Sequence[float], window: float = RATE_WINDOW) -> tuple[list[float], list[float]]:
+def step_rate(times: Sequence[float],
+              window: float = RATE_WINDOW) -> tuple[list[float], list[float]]:
     """Steps per second in consecutive windows: ``(window centres, rates)``; pure."""
     if not times:
         return [], []
@@ -103,10 +109,12 @@ def step_rate(times: Sequence[float], window: float = RATE_WINDOW) -> tuple[list
     return centres, [c / window for c in counts]
 
 
-def _markers(faults: Sequence[FaultRecord], restarts: Sequence[Restart]) -> list[tuple[float, str, str]]:
+def _markers(faults: Sequence[FaultRecord],
+             restarts: Sequence[Restart]) -> list[tuple[float, str, str]]:
     """``(time, label, kind)`` for each vertical line: fault, restore or recovery."""
     marks = [(f.time, f.description, "restore" if f.restore else "fault") for f in faults]
-    marks += [(r.recovered_at, f"recovered: world {r.world_after}, from step {r.resumed_from}", "recovery")
+    marks += [(r.recovered_at, f"recovered: world {r.world_after}, from step {r.resumed_from}",
+               "recovery")
               for r in restarts if r.recovered_at is not None]
     return sorted(marks)
 
@@ -117,7 +125,8 @@ def plot_timeline(result: RunResult, path: Path) -> Path:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise ReportError("the timeline needs matplotlib: pip install 'elastic-ext[chaos]'") from exc
+        raise ReportError("the timeline needs matplotlib: "
+                          "pip install 'elastic-ext[chaos]'") from exc
     verdict, obs = result.verdict, result.observation
     if verdict is None or obs is None:
         raise ReportError(f"{result.scenario.name} did not run: {result.skipped}")
@@ -139,7 +148,8 @@ def plot_timeline(result: RunResult, path: Path) -> Path:
     rate_ax.set_ylim(bottom=0)
     losses = [(float(e["time"]) - t0, float(e["loss"])) for e in steps if e.get("loss") is not None]
     if losses:
-        loss_ax.plot([t for t, _ in losses], [v for _, v in losses], ".", markersize=2.5, color="tab:purple")
+        loss_ax.plot([t for t, _ in losses], [v for _, v in losses], ".", markersize=2.5,
+                     color="tab:purple")
         if all(v > 0 for _, v in losses):
             loss_ax.set_yscale("log")
     loss_ax.set_ylabel("loss")
@@ -202,5 +212,6 @@ def summaries(results: Sequence[RunResult]) -> Mapping[str, Any]:
     return {"scenarios": [{"scenario": r.scenario.name,
                            "result": "skipped" if r.skipped else "pass" if r.ok else "fail",
                            "duration_s": _round(r.ended - r.started, 1),
-                           "violations": [str(v) for v in (r.verdict.violations if r.verdict else ())]}
+                           "violations": [str(v) for v in
+                                          (r.verdict.violations if r.verdict else ())]}
                           for r in results]}

@@ -16,7 +16,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import signal
 import subprocess
 import time
@@ -41,12 +40,11 @@ from elastic_ext.chaos.scenario import Scenario, Trigger
 from elastic_ext.local.etcd import call_here
 from elastic_ext.local.job import JobSpec, LocalJob
 from elastic_ext.local.processes import Proc
-from elastic_ext.snapshot import parse_name
+from elastic_ext.snapshot.layout import parse_name
 
 logger = logging.getLogger(__name__)
 
 TICK = 0.1  # seconds between two looks at the job
-_PORT_LINES = (re.compile(r"workers' store at [^\s:]+:(\d+)"), re.compile(r"master_port=(\d+)"))
 
 
 @dataclass(frozen=True)
@@ -54,7 +52,8 @@ class RunOptions:
     """How to run a scenario, beyond the scenario itself."""
 
     workdir: Path
-    module: str = "trainer"            # any module that speaks the trainer's CLI and metrics contract
+    # any module that speaks the trainer's CLI and metrics contract
+    module: str = "trainer"
     trainer_extra: tuple[str, ...] = ()
     reference: bool = True             # run (or reuse) the uninterrupted run for the params check
     reference_cache: Path | None = None
@@ -102,15 +101,6 @@ def trigger_met(trigger: Trigger, events: Iterable[Mapping[str, Any]], since: fl
     return False
 
 
-def ports_in_logs(logs: Iterable[str]) -> set[int]:
-    """The workers' store ports the agents logged, round after round."""
-    ports: set[int] = set()
-    for text in logs:
-        for pattern in _PORT_LINES:
-            ports.update(int(p) for p in pattern.findall(text))
-    return ports
-
-
 class MetricsTail:
     """Reads the metrics file incrementally; a line still being written waits for the next poll."""
 
@@ -138,17 +128,10 @@ class MetricsTail:
 
 
 # --------------------------------------------------------------------------- side effects
-def _proc_tcp() -> str:
-    texts = []
-    for name in ("tcp", "tcp6"):
-        with contextlib.suppress(OSError):
-            texts.append(Path(f"/proc/net/{name}").read_text())
-    return "\n".join(texts)
-
-
 def _describe_pid(pid: int, owner: str) -> str:
     try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        cmd = (Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+               .decode(errors="replace"))
     except OSError:
         cmd = "?"
     return f"pid {pid} of {owner}: {cmd.strip()[:160]}"
@@ -174,8 +157,9 @@ class _Tmpfs:
         self.mounted = False
 
     def mount(self) -> str | None:
-        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size}", "elastic-ext-chaos",
-                                 str(self.path)], capture_output=True, text=True, timeout=30, check=False)
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size}",
+                                 "elastic-ext-chaos", str(self.path)],
+                                capture_output=True, text=True, timeout=30, check=False)
         if result.returncode != 0:
             return f"cannot mount a tmpfs on the snapshot directory: {result.stderr.strip()}"
         self.mounted = True
@@ -183,11 +167,12 @@ class _Tmpfs:
 
     def unmount(self) -> None:
         if self.mounted:
-            result = subprocess.run(["umount", str(self.path)], capture_output=True, text=True, timeout=30,
-                                    check=False)
+            result = subprocess.run(["umount", str(self.path)], capture_output=True, text=True,
+                                    timeout=30, check=False)
             if result.returncode != 0:
                 logger.warning("umount %s: %s; detaching it", self.path, result.stderr.strip())
-                subprocess.run(["umount", "-l", str(self.path)], capture_output=True, timeout=30, check=False)
+                subprocess.run(["umount", "-l", str(self.path)], capture_output=True, timeout=30,
+                               check=False)
             self.mounted = False
 
 
@@ -205,17 +190,19 @@ class ScenarioRun:
         self.records: list[FaultRecord] = []
         self.errors: list[str] = []
         s = scenario.settings
-        self.args = trainer_args(module=options.module, steps=s.steps, global_batch_size=s.global_batch_size,
-                                 seed=s.seed, snapshot_every=s.snapshot_every, model_size=s.model_size,
-                                 step_delay=s.step_delay, metrics=self.metrics, snapshot_dir=self.snapshot_dir,
-                                 extra=options.trainer_extra)
+        self.args = trainer_args(module=options.module, steps=s.steps,
+                                 global_batch_size=s.global_batch_size, seed=s.seed,
+                                 snapshot_every=s.snapshot_every, model_size=s.model_size,
+                                 step_delay=s.step_delay, metrics=self.metrics,
+                                 snapshot_dir=self.snapshot_dir, extra=options.trainer_extra)
 
     # -- the loop ---------------------------------------------------------------------------
     def _look(self) -> None:
         self.tail.poll()
         with contextlib.suppress(OSError):
             for entry in self.snapshot_dir.iterdir():
-                parsed = parse_name(entry.name)  # a manifest exists only once its snapshot is durable
+                # a manifest exists only once its snapshot is durable
+                parsed = parse_name(entry.name)
                 if parsed is not None and parsed[1] == "json":
                     self.snapshots_seen.setdefault(parsed[0], time.time())
 
@@ -225,7 +212,8 @@ class ScenarioRun:
         except Exception as exc:  # noqa: BLE001 - the job is judged anyway; say what went wrong
             self.errors.append(f"could not {undo.description}: {exc}")
             detail = f"failed: {exc}"
-        self.records.append(FaultRecord(time.time(), undo.description, undo.verb, restore=True, detail=detail))
+        self.records.append(FaultRecord(time.time(), undo.description, undo.verb, restore=True,
+                                        detail=detail))
         logger.info("undo: %s (%s)", undo.description, detail)
 
     def _play(self, job: LocalJob, injector: Injector) -> None:
@@ -267,7 +255,8 @@ class ScenarioRun:
                     waiting = (f"line {faults[index].line} '{faults[index].describe()}' to fire"
                                if index < len(faults) else
                                "every node to exit" if not pending else pending[0].description)
-                    self.errors.append(f"timed out after {settings.timeout:g}s waiting for {waiting}")
+                    self.errors.append(f"timed out after {settings.timeout:g}s "
+                                       f"waiting for {waiting}")
                     return
                 time.sleep(TICK)
         finally:
@@ -286,16 +275,17 @@ class ScenarioRun:
                 os.killpg(node.proc.pid, 0)
                 if not node.proc.pids():
                     leftovers.append(f"process group {node.proc.pid} of {node.name} is not empty")
-        etcd_ports = {p for m in (job.etcd.members if job.etcd else []) for p in (m.client_port, m.peer_port)}
+        etcd_ports = {p for m in (job.etcd.members if job.etcd else [])
+                      for p in (m.client_port, m.peer_port)}
         if lab is not None:
             bound = [port for ns, ports in lab.listening().items() for port in ports
                      if not (ns == lab.plan.switch and port in etcd_ports)]
         else:
-            known = ports_in_logs(node.proc.output() for node in job.nodes)
-            endpoint = job._endpoint.rsplit(":", 1)[-1]
+            known = {port for node in job.nodes for port in node.workers_store_ports()}
+            endpoint = job.endpoint.rsplit(":", 1)[-1]
             if job.spec.store == "embedded" and endpoint.isdigit():
                 known.add(int(endpoint))
-            bound = sorted(known & listening_ports(_proc_tcp()))
+            bound = sorted(known & listening_ports(netns.read_tcp_tables()))
         return leftovers, bound
 
     def _stop_etcd(self, job: LocalJob, lab: netns.NetnsLab | None) -> tuple[list[str], list[int]]:
@@ -304,13 +294,14 @@ class ScenarioRun:
         for member in job.etcd.members:
             if member.proc is not None:
                 _stop(member.proc)
-        leftovers = [_describe_pid(pid, f"etcd {m.name}") for m in job.etcd.members if m.proc is not None
-                     for pid in m.proc.pids()]
+        leftovers = [_describe_pid(pid, f"etcd {m.name}") for m in job.etcd.members
+                     if m.proc is not None for pid in m.proc.pids()]
         ports = {p for m in job.etcd.members for p in (m.client_port, m.peer_port)}
         if lab is not None:
-            listening = netns.call_in(lab.plan.switch, lambda: listening_ports(netns._read_tcp_tables()))
+            listening = netns.call_in(lab.plan.switch,
+                                      lambda: listening_ports(netns.read_tcp_tables()))
         else:
-            listening = listening_ports(_proc_tcp())
+            listening = listening_ports(netns.read_tcp_tables())
         return leftovers, sorted(ports & listening)
 
     # -- everything -------------------------------------------------------------------------------
@@ -343,12 +334,14 @@ class ScenarioRun:
             job = LocalJob(spec, self.workdir, node_host=lab.node_host if lab else None,
                            store_host=lab.store_host if lab else None,
                            store_call=lab.call_in_store if lab else call_here)
-            injector = Injector(job, initial_nodes=settings.nodes, snapshot_dir=self.snapshot_dir, lab=lab)
+            injector = Injector(job, initial_nodes=settings.nodes, snapshot_dir=self.snapshot_dir,
+                                lab=lab)
             try:
                 job.start(settings.nodes)
                 self._play(job, injector)
                 stopped = not any(node.alive() for node in job.nodes)
-                nodes = [NodeOutcome(n.name, n.proc.popen.poll(), n.name in injector.killed) for n in job.nodes]
+                nodes = [NodeOutcome(n.name, n.proc.popen.poll(), n.name in injector.killed)
+                         for n in job.nodes]
                 if stopped:
                     leftovers, bound = self._leftovers(job, lab)
                     more, more_bound = self._stop_etcd(job, lab)
@@ -372,7 +365,8 @@ class ScenarioRun:
             leftovers=tuple(leftovers), bound_ports=tuple(bound), reference_sha=reference,
             reference_note=note, errors=tuple(self.errors))
         verdict = check(observation)
-        return RunResult(scenario, self.workdir, started, time.time(), verdict, observation, logs=logs)
+        return RunResult(scenario, self.workdir, started, time.time(), verdict, observation,
+                         logs=logs)
 
     def _reference(self) -> tuple[str | None, str]:
         segments, _ = split_segments(self.tail.events)

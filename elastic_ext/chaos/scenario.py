@@ -49,7 +49,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-__all__ = ["SETTINGS", "Action", "Fault", "Scenario", "ScenarioError", "Settings", "Trigger", "parse"]
+__all__ = ["SETTINGS", "Action", "Fault", "Scenario", "ScenarioError", "Settings", "Trigger",
+           "parse"]
 
 
 class ScenarioError(ValueError):
@@ -192,7 +193,8 @@ class Trigger:
 class Action:
     """What a fault does. ``target`` is a node selector or an etcd role; ``duration`` undoes it."""
 
-    verb: str  # kill-worker kill-node freeze partition preempt start-node start-all kill-etcd fill-disk
+    # kill-worker kill-node freeze partition preempt start-node start-all kill-etcd fill-disk
+    verb: str
     target: str = ""
     count: int = 1
     duration: float | None = None
@@ -208,7 +210,8 @@ class Action:
             "freeze": f"freeze node {self.target}", "partition": f"partition node {self.target}",
             "preempt": "preempt all",
             "start-node": "start node" if self.count == 1 else f"start {self.count} nodes",
-            "start-all": "start all", "kill-etcd": f"kill etcd {self.target}", "fill-disk": "fill disk",
+            "start-all": "start all", "kill-etcd": f"kill etcd {self.target}",
+            "fill-disk": "fill disk",
         }[self.verb]
         return words + (f" for {self.duration:g}s" if self.duration is not None else "")
 
@@ -269,11 +272,13 @@ _ACTIONS: list[tuple[re.Pattern[str], Callable[[re.Match[str]], Action]]] = [
      lambda m: Action("partition", m.group(1), duration=float(m.group(2)))),
     (re.compile(r"preempt all"), lambda m: Action("preempt", "all")),
     (re.compile(r"start node"), lambda m: Action("start-node")),
-    (re.compile(r"start (\d+) nodes?"), lambda m: Action("start-node", count=_positive_int(m.group(1)))),
+    (re.compile(r"start (\d+) nodes?"),
+     lambda m: Action("start-node", count=_positive_int(m.group(1)))),
     (re.compile(r"start all"), lambda m: Action("start-all")),
     (re.compile(rf"kill etcd (leader|follower|all){_FOR}"),
      lambda m: Action("kill-etcd", m.group(1), duration=_opt_float(m.group(2)))),
-    (re.compile(rf"fill disk{_FOR}"), lambda m: Action("fill-disk", duration=_opt_float(m.group(1)))),
+    (re.compile(rf"fill disk{_FOR}"),
+     lambda m: Action("fill-disk", duration=_opt_float(m.group(1)))),
 ]
 
 
@@ -314,8 +319,9 @@ def parse(text: str, name: str = "scenario") -> Scenario:
                                     "when recovered, when stopped)")
             action = _match(_ACTIONS, what)
             if action is None:
-                raise ScenarioError(f"unknown action {what!r} (kill worker|node T, freeze|partition "
-                                    "node T for Ds, preempt all, start node, start N nodes, start all, "
+                raise ScenarioError(f"unknown action {what!r} (kill worker|node T, "
+                                    "freeze|partition node T for Ds, preempt all, start node, "
+                                    "start N nodes, start all, "
                                     "kill etcd leader|follower|all [for Ds], fill disk [for Ds])")
             faults.append(Fault(trigger, action, number))
         except ValueError as exc:  # ScenarioError, or a number out of range
@@ -324,7 +330,8 @@ def parse(text: str, name: str = "scenario") -> Scenario:
     return Scenario(name, settings, tuple(faults), text)
 
 
-def _validate(settings: Settings, faults: tuple[Fault, ...] | list[Fault], name: str = "scenario") -> None:
+def _validate(settings: Settings, faults: tuple[Fault, ...] | list[Fault],
+              name: str = "scenario") -> None:
     """What a line cannot tell alone: an action the chosen store or node range cannot give."""
     def fail(fault: Fault | None, message: str) -> None:
         where = f"{name} line {fault.line}: " if fault is not None else f"{name}: "

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import requests
 
 from elastic_ext.local.processes import Proc, ProcessSet, wait_until
+from elastic_ext.net import free_ports
 
 ETCD_BIN = shutil.which("etcd") or "/usr/bin/etcd"
 
@@ -23,17 +24,6 @@ T = TypeVar("T")
 def call_here(fn: Callable[[], T]) -> T:
     """Run ``fn`` in this process's network namespace (the default for ``EtcdCluster.call``)."""
     return fn()
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass
@@ -75,12 +65,16 @@ class EtcdCluster:
         return ",".join(m.endpoint for m in self.members)
 
     def start_member(self, member: EtcdMember, new: bool = True) -> None:
-        """Start (or start again: etcd then ignores the initial-cluster flags) on the member's data dir."""
+        """Start (or start again: etcd then ignores the initial-cluster flags) on the member's
+        data dir."""
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         cmd = [*member.prefix, ETCD_BIN, "--name", member.name, "--data-dir", str(member.data_dir),
-               "--listen-client-urls", member.client_url, "--advertise-client-urls", member.client_url,
-               "--listen-peer-urls", member.peer_url, "--initial-advertise-peer-urls", member.peer_url,
-               "--initial-cluster", initial, "--initial-cluster-token", f"tok-{self.members[0].client_port}",
+               "--listen-client-urls", member.client_url,
+               "--advertise-client-urls", member.client_url,
+               "--listen-peer-urls", member.peer_url,
+               "--initial-advertise-peer-urls", member.peer_url,
+               "--initial-cluster", initial,
+               "--initial-cluster-token", f"tok-{self.members[0].client_port}",
                "--initial-cluster-state", "new", "--log-level", "warn", *member.extra_args]
         member.proc = self.processes.spawn(f"etcd-{member.name}", cmd)
 
@@ -101,7 +95,8 @@ class EtcdCluster:
 
     def leader(self) -> EtcdMember:
         def status_of(member: EtcdMember) -> Any:
-            return self.session.post(f"{member.client_url}/v3/maintenance/status", json={}, timeout=1).json()
+            return self.session.post(f"{member.client_url}/v3/maintenance/status", json={},
+                                     timeout=1).json()
 
         for m in self.members:
             try:
@@ -125,10 +120,10 @@ def _port_open(port: int) -> bool:
 
 
 def start_cluster(processes: ProcessSet, base_dir: Path, size: int = 1,
-                  extra_args: list[str] | None = None, scheme: str = "http", host: str = "127.0.0.1",
-                  prefix: Sequence[str] = (),
+                  extra_args: list[str] | None = None, scheme: str = "http",
+                  host: str = "127.0.0.1", prefix: Sequence[str] = (),
                   call: Callable[[Callable[[], Any]], Any] = call_here) -> EtcdCluster:
-    ports = _free_ports(2 * size)
+    ports = free_ports(2 * size, "127.0.0.1")
     members = [EtcdMember(f"m{i}", ports[2 * i], ports[2 * i + 1], base_dir / f"etcd-m{i}",
                           list(extra_args or []), scheme, host=host, prefix=tuple(prefix))
                for i in range(size)]

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -14,16 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.local.etcd import EtcdCluster, call_here, start_cluster
-from elastic_ext.local.processes import Proc, ProcessSet, wait_until
+from elastic_ext.local.processes import Proc, ProcessSet, environ_of, wait_until
+from elastic_ext.net import free_port
+from elastic_ext.rendezvous.events import EventKind
 
 STORES = ("etcd", "embedded", "stock-c10d")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -64,6 +58,8 @@ class Node:
     name: str
     proc: Proc
     host: Host = field(default_factory=Host)
+    events_file: Path | None = None
+    """Where its etcd-ext agent appends its rendezvous events (None on stock c10d)."""
 
     def kill(self) -> None:
         """SIGKILL the agent and every worker: a machine that died."""
@@ -84,15 +80,37 @@ class Node:
         agent = self.proc.pid
         return [pid for pid in self.proc.pids() if pid != agent and _parent(pid) == agent]
 
+    def events(self, kind: EventKind | None = None) -> list[dict[str, Any]]:
+        """The agent's rendezvous events so far (of ``kind``), oldest first."""
+        if self.events_file is None:
+            return []
+        return [e for e in read_json_lines(self.events_file)
+                if kind is None or e.get("event") == kind.value]
+
     def group_rank(self) -> int | None:
-        """The group rank torch's agent logged for its latest round."""
-        ranks = re.findall(r"group_rank=(\d+)", self.proc.output())
-        return int(ranks[-1]) if ranks else None
+        """This node's rank in its latest round: from its etcd-ext agent's events, or on
+        stock c10d from ``GROUP_RANK`` in its live workers' environment (None between rounds)."""
+        if self.events_file is not None:
+            joined = self.events(EventKind.JOINED)
+            return int(joined[-1]["rank"]) if joined else None
+        for pid in self.worker_pids():
+            rank = environ_of(pid).get("GROUP_RANK")
+            if rank is not None:
+                return int(rank)
+        return None
+
+    def hosts_store(self) -> bool:
+        """Whether this node's agent hosts the embedded store."""
+        return any(e.get("hosts_store") for e in self.events(EventKind.STARTED))
+
+    def workers_store_ports(self) -> set[int]:
+        """The ports of the workers' stores of every round this node joined."""
+        return {int(e["master_port"]) for e in self.events(EventKind.JOINED)}
 
 
 class LocalJob:
-    def __init__(self, spec: JobSpec, workdir: Path, *, node_host: Callable[[int], Host] | None = None,
-                 store_host: Host | None = None,
+    def __init__(self, spec: JobSpec, workdir: Path, *,
+                 node_host: Callable[[int], Host] | None = None, store_host: Host | None = None,
                  store_call: Callable[[Callable[[], Any]], Any] = call_here) -> None:
         """``node_host(i)`` places the i-th node, ``store_host`` etcd or the embedded store
         (``store_call`` runs the harness's own probes of etcd where etcd can be reached)."""
@@ -113,7 +131,8 @@ class LocalJob:
         store = self._store_host
         if self.spec.store == "etcd":
             self.etcd = start_cluster(self.processes, workdir, size=self.spec.etcd_members,
-                                      host=store.address, prefix=store.prefix, call=self._store_call)
+                                      host=store.address, prefix=store.prefix,
+                                      call=self._store_call)
             self._endpoint = self.etcd.endpoints
         elif self.spec.store == "embedded":
             self._endpoint = f"c10d://{store.address}:{free_port()}"
@@ -128,19 +147,34 @@ class LocalJob:
         host = self._node_host(len(self.nodes))
         spec = self.spec
         backend = "c10d" if spec.store == "stock-c10d" else "etcd-ext"
-        cmd = [*host.prefix, sys.executable, "-m", "torch.distributed.run", f"--nnodes={spec.nnodes}",
-               f"--nproc-per-node={spec.nproc_per_node}", f"--rdzv-backend={backend}",
+        conf = [spec.rdzv_conf] if spec.rdzv_conf else []
+        events_file = None
+        if backend == "etcd-ext":
+            events_file = self.workdir / "events" / f"{name}.jsonl"
+            conf.append(f"events_file={events_file}")
+        cmd = [*host.prefix, sys.executable, "-m", "torch.distributed.run",
+               f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.nproc_per_node}",
+               f"--rdzv-backend={backend}",
                f"--rdzv-endpoint={self._endpoint}", f"--rdzv-id={spec.run_id}",
                f"--local-addr={host.address}", f"--max-restarts={spec.max_restarts}",
                "--monitor-interval=0.1", *spec.extra_torchrun_args]
-        if spec.rdzv_conf:
-            cmd.append(f"--rdzv-conf={spec.rdzv_conf}")
+        if conf:
+            cmd.append(f"--rdzv-conf={','.join(conf)}")
         cmd += list(spec.command)
         env = dict(os.environ)
         env.update({"OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO", **dict(host.env), **spec.env})
-        node = Node(name, self.processes.spawn(name, cmd, env=env), host)
+        node = Node(name, self.processes.spawn(name, cmd, env=env), host, events_file)
         self.nodes.append(node)
         return node
+
+    @property
+    def endpoint(self) -> str:
+        """The ``--rdzv-endpoint`` every node was given (set by ``start``)."""
+        return self._endpoint
+
+    def store_host(self) -> Node | None:
+        """The node whose agent hosts the embedded store (None on etcd and stock c10d)."""
+        return next((n for n in self.nodes if n.hosts_store()), None)
 
     def rank0_node(self) -> Node:
         for node in self.nodes:
@@ -174,26 +208,13 @@ def _parent(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[1])
 
 
-def read_events(path: Path) -> list[dict[str, Any]]:
-    """The trainer's metrics file; a half-written last line is skipped."""
-    if not path.exists():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return events
-
-
 def wait_for_step(metrics: Path, *, after: float, world_size: int, timeout: float,
                   poll: float = 0.05) -> dict[str, Any]:
     """The first ``step`` event logged after ``after`` (unix time) at ``world_size``."""
     def found() -> dict[str, Any] | None:
-        for event in read_events(metrics):
+        for event in read_json_lines(metrics):
             if event.get("event") == "step" and event["time"] > after \
                     and event["world_size"] == world_size:
                 return event
         return None
-    return wait_until(found, timeout, poll, f"a step at world size {world_size}")  # type: ignore[return-value]
+    return wait_until(found, timeout, poll, f"a step at world size {world_size}")

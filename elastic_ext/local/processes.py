@@ -16,39 +16,26 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
-TAG_ENV = "ELASTIC_EXT_TEST_TAG"
+TAG_ENV = "ELASTIC_EXT_LOCAL_TAG"
+T = TypeVar("T")
 
 
 def tagged_pids(tag: str) -> list[int]:
     """Every live process whose environment carries ``TAG_ENV=tag``."""
-    needle = f"{TAG_ENV}={tag}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if needle in env.split(b"\0"):
-            found.append(int(entry.name))
-    return found
+    pids = (int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit())
+    return [pid for pid in pids if environ_of(pid).get(TAG_ENV) == tag]
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process (ours or not); a zombie counts as dead."""
+def environ_of(pid: int) -> dict[str, str]:
+    """The environment ``pid`` was started with; empty once it is gone."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
-        return False
+        return {}
+    pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
+    return {key: value for key, _, value in pairs}
 
 
 def signal_pids(pids: Iterable[int], sig: int) -> None:
@@ -59,9 +46,10 @@ def signal_pids(pids: Iterable[int], sig: int) -> None:
             pass
 
 
-def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.05,
-               what: str = "condition") -> object:
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout``."""
+def wait_until(predicate: Callable[[], T | None], timeout: float, interval: float = 0.05,
+               what: str = "condition") -> T:
+    """Poll ``predicate`` until it returns something truthy, and return that; raise
+    ``TimeoutError`` naming ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()

@@ -1,35 +1,35 @@
-"""What a store must offer etcd-ext: torch's ``RendezvousBackend`` contract plus heartbeats.
+"""The contract between etcd-ext and a store: everything the handler, the keeper and the
+operator commands do with one. Nothing reaches past it.
 
-``get_state``/``set_state`` keep torch's token semantics (see torch's
-``RendezvousBackend``), so the same contract tests run on every store. State
-values carry a magic prefix so garbage in the key is reported, not parsed.
+``get_state``/``set_state`` keep the token semantics of torch's ``RendezvousBackend``
+(``torch/distributed/elastic/rendezvous/dynamic_rendezvous.py``), so the same contract
+tests (``tests/test_backend_contract.py``) run on every store, the in-memory test double
+included. State values carry a magic prefix so garbage in the key is reported, not parsed.
+
+Key layout of a run, relative to ``Settings.run_prefix`` (``<key_prefix>/<run_id>/``):
+``state`` (the JSON state), ``hb/<node>`` (heartbeats) and the rounds' c10d stores.
 """
 
 from __future__ import annotations
 
 import time
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from typing import Any
 
 from torch.distributed import Store
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
 from elastic_ext.rendezvous.errors import CorruptStateError
 
+Token = Any
+"""Opaque to the caller: what ``get_state`` returned, handed back to ``set_state``."""
+
+STATE_KEY = "state"
 STATE_MAGIC = b"elastic-ext/1\n"
 
 
 def wrap_state(state: bytes) -> bytes:
     return STATE_MAGIC + state
-
-
-def parse_beat(value: bytes | None) -> tuple[int, float] | None:
-    """(counter, wall time) of a heartbeat value; None for a missing, left or odd value."""
-    try:
-        counter, stamp = (value or b"").decode().split(":")
-        return int(counter), float(stamp)
-    except ValueError:
-        return None
 
 
 def unwrap_state(raw: bytes) -> bytes:
@@ -41,50 +41,112 @@ def unwrap_state(raw: bytes) -> bytes:
     return raw[len(STATE_MAGIC):]
 
 
-class StoreBackend(RendezvousBackend):
-    """One connection to the run's keys. Not shared between threads: ``clone`` instead."""
+def parse_beat(value: bytes | None) -> tuple[int, float] | None:
+    """(counter, wall time) of a heartbeat value; None for a missing, left or odd value."""
+    try:
+        counter, stamp = (value or b"").decode().split(":")
+        return int(counter), float(stamp)
+    except ValueError:
+        return None
 
-    @abstractmethod
-    def get_state(self) -> tuple[bytes, Token] | None: ...
 
-    @abstractmethod
-    def set_state(self, state: bytes, token: Token | None = None
-                  ) -> tuple[bytes, Token, bool] | None: ...
+class StoreBackend(ABC):
+    """One connection to one run's keys. Not shared between threads: ``clone`` instead.
+
+    Unless a method says otherwise, every method that talks to the store raises
+    :class:`~elastic_ext.rendezvous.errors.StoreUnavailableError` when no endpoint
+    answered within ``connect_timeout`` and
+    :class:`~elastic_ext.rendezvous.errors.StoreAuthError` when the store refused the
+    credentials or certificate (retrying will not help).
+    """
 
     _beats: int = 0
 
+    @property
+    @abstractmethod
+    def name(self) -> str:
+        """The kind of store, for logs and events: ``etcd-v3`` or ``c10d-embedded``."""
+
+    @property
+    def outages_are_transient(self) -> bool:
+        """Whether an unreachable store may come back (an etcd cluster) or is gone for good
+        (the embedded store died with the agent that hosted it)."""
+        return True
+
+    @property
+    def hosts_store(self) -> bool:
+        """Whether this agent's own process serves the store (the embedded store's host)."""
+        return False
+
+    @abstractmethod
+    def get_state(self) -> tuple[bytes, Token] | None:
+        """The run's state and its token, or None if the run has no state.
+
+        Raises:
+            CorruptStateError: the state key holds something etcd-ext did not write.
+        """
+
+    @abstractmethod
+    def set_state(self, state: bytes, token: Token | None = None
+                  ) -> tuple[bytes, Token, bool] | None:
+        """Compare-and-swap the run's state.
+
+        Writes ``state`` if ``token`` is the current state's token, or if ``token`` is
+        None and there is no state yet. Returns ``(state, token, True)`` after writing,
+        ``(current state, its token, False)`` when someone else wrote first (a stale,
+        unknown or missing token), and None if the state vanished in between.
+
+        Raises:
+            CorruptStateError: the state key holds something etcd-ext did not write.
+        """
+
     def beat(self, node: str) -> None:
-        """Advance ``node``'s heartbeat; the wall time in it is for operators, not for liveness."""
+        """Advance ``node``'s heartbeat counter.
+
+        The value is ``counter:wall time``; the wall time is for operators
+        (``elastic-ext status``), never for liveness, which watches the counter.
+        """
         self._beats += 1
         self._write_beat(node, f"{self._beats}:{time.time():.3f}".encode())
 
     @abstractmethod
-    def _write_beat(self, node: str, value: bytes) -> None: ...
+    def _write_beat(self, node: str, value: bytes) -> None:
+        """Store ``value`` as ``node``'s heartbeat; on etcd it expires with this agent."""
+
+    @abstractmethod
+    def leave(self, node: str) -> None:
+        """Mark ``node`` as gone for good (its heartbeat becomes ``liveness.LEFT``) so that nobody
+        waits for its heartbeat to expire."""
+
+    @abstractmethod
+    def read_beats(self, nodes: Iterable[str]) -> dict[str, bytes | None]:
+        """Each of ``nodes``' heartbeat value, None for a node that has none."""
 
     @abstractmethod
     def remove_run(self) -> None:
         """Delete every key of the run: the job is over and everybody has left."""
 
     @abstractmethod
-    def leave(self, node: str) -> None:
-        """Mark ``node`` as gone for good, so nobody waits for its heartbeat to expire."""
-
-    @abstractmethod
-    def read_beats(self, nodes: Iterable[str]) -> dict[str, bytes | None]:
-        """Each node's heartbeat value (None when it has none)."""
-
-    @abstractmethod
     def round_store(self, generation: str, round_: int) -> Store:
-        """The c10d Store the agents of one round share (rank assignment, exit barrier)."""
+        """The c10d ``Store`` the agents of one round share (torch's rank assignment and
+        exit barrier). Its operations raise what torch's stores raise."""
+
+    @abstractmethod
+    def drop_round_stores(self, generation: str, keep_from_round: int) -> None:
+        """Delete the round stores of other generations and of rounds before
+        ``keep_from_round``; a store that cannot enumerate keys keeps them for its life."""
+
+    @abstractmethod
+    def list_runs(self) -> list[str]:
+        """The run ids that have keys under this backend's key prefix, sorted.
+
+        Raises:
+            ConfigError: the store cannot enumerate keys (the embedded store).
+        """
 
     @abstractmethod
     def clone(self) -> StoreBackend:
         """Another connection to the same keys, for another thread."""
 
-    @property
-    def outages_are_transient(self) -> bool:
-        """Whether an unreachable store may come back (an etcd cluster) or is gone (its host died)."""
-        return True
-
-    def close(self) -> None:
-        """Release connections; the default has none to release."""
+    def close(self) -> None:  # noqa: B027 - an optional hook, not a required method
+        """Release this connection; the default has nothing to release. Never raises."""

@@ -10,31 +10,43 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
+from typing import Protocol, cast
 
 from torch.distributed import PrefixStore, Store, TCPStore
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import Token
-from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
-from elastic_ext.rendezvous.backend import StoreBackend, unwrap_state, wrap_state
-from elastic_ext.rendezvous.errors import StoreUnavailableError
+from elastic_ext.rendezvous.backend import STATE_KEY, StoreBackend, Token, unwrap_state, wrap_state
+from elastic_ext.rendezvous.errors import ConfigError, StoreUnavailableError
 from elastic_ext.rendezvous.liveness import LEFT
 from elastic_ext.rendezvous.settings import Settings
 from elastic_ext.rendezvous.state import RunState
+from elastic_ext.torch_compat import matches_machine_hostname
 
 logger = logging.getLogger(__name__)
 
 _STORE_ERRORS = (RuntimeError, ValueError, TimeoutError)
 
 
-def connect_tcp_store(settings: Settings, host_if_possible: bool = True) -> TCPStore:
-    """Host the embedded store if this node should, else connect to it."""
+class _ByteStore(Protocol):
+    """A c10d store as its binding really is: values are bytes (torch's stubs say ``str``)."""
+
+    def set(self, key: str, value: bytes) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def check(self, keys: list[str]) -> bool: ...
+    def compare_set(self, key: str, expected_value: bytes, desired_value: bytes) -> bytes: ...
+    def multi_get(self, keys: list[str]) -> list[bytes]: ...
+    def delete_key(self, key: str) -> bool: ...
+
+
+def connect_tcp_store(settings: Settings, host_if_possible: bool = True) -> tuple[TCPStore, bool]:
+    """Host the embedded store if this node should, else connect to it; (store, hosting)."""
     endpoint = settings.endpoints[0]
     timeout = timedelta(seconds=settings.timeouts.connect)
     want_host = settings.is_host
     if want_host is None:
-        want_host = host_if_possible and _matches_machine_hostname(endpoint.host)
+        want_host = host_if_possible and matches_machine_hostname(endpoint.host)
     attempts = [True, False] if want_host and settings.is_host is None else [bool(want_host)]
     last: Exception | None = None
     for is_server in attempts:
@@ -46,7 +58,7 @@ def connect_tcp_store(settings: Settings, host_if_possible: bool = True) -> TCPS
             continue
         if is_server:
             logger.info("agent %d hosts the embedded etcd-ext store on %s", os.getpid(), endpoint)
-        return store
+        return store, is_server
     raise StoreUnavailableError(
         f"cannot reach the embedded c10d store at {endpoint} within "
         f"{settings.timeouts.connect:g}s ({last}); check --rdzv-endpoint, or start the node "
@@ -54,11 +66,24 @@ def connect_tcp_store(settings: Settings, host_if_possible: bool = True) -> TCPS
 
 
 class C10dBackend(StoreBackend):
-    def __init__(self, settings: Settings, store: TCPStore) -> None:
+    """The run's keys on the embedded TCPStore; see :class:`StoreBackend` for the contract."""
+
+    def __init__(self, settings: Settings, store: TCPStore, *, hosts_store: bool = False) -> None:
         self._settings = settings
         self._tcp = store
-        self._store = PrefixStore(settings.run_prefix, store)
-        self._state_key = "state"
+        self._prefixed = PrefixStore(settings.run_prefix, store)
+        self._store = cast(_ByteStore, self._prefixed)
+        self._hosts_store = hosts_store
+
+    @classmethod
+    def connect(cls, settings: Settings, *, may_host: bool = True) -> C10dBackend:
+        """Host the embedded store if this node should (and ``may_host``), else connect to it.
+
+        Raises:
+            StoreUnavailableError: the store could not be hosted or reached in time.
+        """
+        store, hosting = connect_tcp_store(settings, host_if_possible=may_host)
+        return cls(settings, store, hosts_store=hosting)
 
     @property
     def name(self) -> str:
@@ -68,18 +93,36 @@ class C10dBackend(StoreBackend):
     def outages_are_transient(self) -> bool:
         return False  # the store lives in one agent; when that agent dies it is gone
 
-    def _call(self, op: str, *args: object) -> object:
+    @property
+    def hosts_store(self) -> bool:
+        return self._hosts_store
+
+    @contextmanager
+    def _reaching(self, op: str) -> Iterator[None]:
+        """Turn the TCPStore's errors into the contract's ``StoreUnavailableError``."""
         try:
-            return getattr(self._store, op)(*args)
+            yield
         except _STORE_ERRORS as exc:
             raise StoreUnavailableError(
                 f"the embedded c10d store at {self._settings.endpoints[0]} failed during {op} "
                 f"({exc}); its host agent may have died") from exc
 
+    def _has(self, keys: list[str]) -> bool:
+        with self._reaching("check"):
+            return bool(self._store.check(keys))
+
+    def _get(self, key: str) -> bytes:
+        with self._reaching("get"):
+            return bytes(self._store.get(key))
+
+    def _set(self, key: str, value: bytes) -> None:
+        with self._reaching("set"):
+            self._store.set(key, value)
+
     def get_state(self) -> tuple[bytes, Token] | None:
-        if not self._call("check", [self._state_key]):
+        if not self._has([STATE_KEY]):
             return None
-        raw = self._call("get", self._state_key)
+        raw = self._get(STATE_KEY)
         return self._decode(raw), raw
 
     @staticmethod
@@ -93,44 +136,54 @@ class C10dBackend(StoreBackend):
             current = self.get_state()
             return None if current is None else (*current, False)
         new_raw = wrap_state(os.urandom(8).hex().encode() + b"\n" + state)
-        result = self._call("compare_set", self._state_key, token or b"", new_raw)
+        with self._reaching("compare_set"):
+            result = bytes(self._store.compare_set(STATE_KEY, token or b"", new_raw))
         if result == new_raw:
             return state, new_raw, True
-        if token and result == token and not self._call("check", [self._state_key]):
+        if token and result == token and not self._has([STATE_KEY]):
             return None  # the key vanished; compare_set echoes the expected value
         return self._decode(result), result, False
 
     def _write_beat(self, node: str, value: bytes) -> None:
-        self._call("set", f"hb/{node}", value)
+        self._set(f"hb/{node}", value)
 
     def remove_run(self) -> None:
         current = self.get_state()
         nodes: set[str] = set()
         if current is not None:
             nodes = RunState.from_bytes(current[0]).known_nodes()
-        for key in [self._state_key, *(f"hb/{n}" for n in nodes)]:
-            self._call("delete_key", key)
+        with self._reaching("delete_key"):
+            for key in [STATE_KEY, *(f"hb/{n}" for n in nodes)]:
+                self._store.delete_key(key)
 
     def leave(self, node: str) -> None:
-        self._call("set", f"hb/{node}", LEFT)
+        self._set(f"hb/{node}", LEFT)
 
     def read_beats(self, nodes: Iterable[str]) -> dict[str, bytes | None]:
         nodes = list(nodes)
         keys = [f"hb/{n}" for n in nodes]
         if not keys:
             return {}
-        if self._call("check", keys):
-            return dict(zip(nodes, self._call("multi_get", keys)))
-        return {n: (self._call("get", k) if self._call("check", [k]) else None)
-                for n, k in zip(nodes, keys)}
+        if self._has(keys):
+            with self._reaching("multi_get"):
+                values = self._store.multi_get(keys)
+            return {n: bytes(v) for n, v in zip(nodes, values, strict=True)}
+        return {n: (self._get(k) if self._has([k]) else None)
+                for n, k in zip(nodes, keys, strict=True)}
 
     def round_store(self, generation: str, round_: int) -> Store:
-        store = PrefixStore(f"round/{generation}/{round_}/", self._store)
-        return store
+        return PrefixStore(f"round/{generation}/{round_}/", self._prefixed)
+
+    def drop_round_stores(self, generation: str, keep_from_round: int) -> None:
+        """A TCPStore cannot enumerate keys: round stores live as long as the store (the job)."""
+
+    def list_runs(self) -> list[str]:
+        raise ConfigError("listing runs needs etcd: the embedded store cannot enumerate keys")
 
     def clone(self) -> C10dBackend:
         endpoint = self._settings.endpoints[0]
-        client = TCPStore(endpoint.host, self._tcp.port, is_master=False,
-                          wait_for_workers=False, multi_tenant=True,
-                          timeout=timedelta(seconds=self._settings.timeouts.connect))
+        with self._reaching("connect"):
+            client = TCPStore(endpoint.host, self._tcp.port, is_master=False,
+                              wait_for_workers=False, multi_tenant=True,
+                              timeout=timedelta(seconds=self._settings.timeouts.connect))
         return C10dBackend(self._settings, client)

@@ -1,34 +1,39 @@
 """The run's state on etcd through the v3 API.
 
 Layout under ``<key_prefix>/<run_id>/``: ``state`` (the JSON state, written by
-compare-and-swap on ``mod_revision``, create-if-absent the first time),
-``hb/<node>`` (heartbeat counters, on each agent's lease so they expire), ``store/<generation>/<round>/`` (the round's
-c10d store for torch's agent).
+compare-and-swap on ``mod_revision``, create-if-absent the first time), ``hb/<node>``
+(heartbeat counters, on each agent's lease so they expire) and
+``store/<generation>/<round>/`` (the round's c10d store for torch's agent).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Iterable
 from datetime import timedelta
 
 from torch.distributed import Store
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import Token
 
-from elastic_ext.rendezvous.backend import StoreBackend, unwrap_state, wrap_state
+from elastic_ext.rendezvous.backend import STATE_KEY, StoreBackend, Token, unwrap_state, wrap_state
 from elastic_ext.rendezvous.errors import StoreUnavailableError
 from elastic_ext.rendezvous.etcd_client import EtcdClient
 from elastic_ext.rendezvous.etcd_store import EtcdV3Store
 from elastic_ext.rendezvous.liveness import LEFT
 from elastic_ext.rendezvous.settings import Settings
 
+logger = logging.getLogger(__name__)
+
 
 class EtcdBackend(StoreBackend):
+    """The run's keys on an etcd cluster; see :class:`StoreBackend` for the contract."""
+
     def __init__(self, settings: Settings, client: EtcdClient | None = None) -> None:
         self._settings = settings
         self._client = client or EtcdClient(settings)
         self._prefix = settings.run_prefix
+        self._state_key = self._prefix + STATE_KEY
         self._lease: int | None = None
         self._lease_refreshed = 0.0
         self._lease_ttl = max(10, math.ceil(4 * settings.timeouts.heartbeat))
@@ -37,19 +42,22 @@ class EtcdBackend(StoreBackend):
     def name(self) -> str:
         return "etcd-v3"
 
-    @property
-    def client(self) -> EtcdClient:
-        return self._client
+    @classmethod
+    def connect(cls, settings: Settings) -> EtcdBackend:
+        """A backend on an etcd that answered as etcd >= 3.4 serving the v3 gateway.
 
-    @property
-    def state_key(self) -> str:
-        return self._prefix + "state"
-
-    def check_server(self) -> str:
-        return self._client.server_version()
+        Raises:
+            StoreUnavailableError: no endpoint answered like etcd.
+            StoreAuthError: the TLS handshake failed.
+            ConfigError: the server is older than etcd 3.4.
+        """
+        backend = cls(settings)
+        version = backend._client.server_version()
+        logger.info("etcd-ext: etcd %s at %s", version, settings.describe_endpoints())
+        return backend
 
     def get_state(self) -> tuple[bytes, Token] | None:
-        kv = self._client.get(self.state_key)
+        kv = self._client.get(self._state_key)
         if kv is None:
             return None
         return unwrap_state(kv.value), kv.mod_revision
@@ -59,7 +67,7 @@ class EtcdBackend(StoreBackend):
         if token is not None and (not isinstance(token, int) or isinstance(token, bool)):
             current = self.get_state()
             return None if current is None else (*current, False)
-        ok, kv = self._client.compare_and_swap(self.state_key, wrap_state(state), token or None)
+        ok, kv = self._client.compare_and_swap(self._state_key, wrap_state(state), token or None)
         if ok and kv is not None:
             return state, kv.mod_revision, True
         if kv is None:  # deleted between our compare and our read
@@ -100,7 +108,6 @@ class EtcdBackend(StoreBackend):
                            timeout=timedelta(seconds=max(60.0, self._settings.timeouts.join)))
 
     def drop_round_stores(self, generation: str, keep_from_round: int) -> None:
-        """Delete the agent stores of rounds before ``keep_from_round``."""
         prefix = f"{self._prefix}store/"
         stale: set[tuple[str, str]] = set()
         for kv in self._client.get_prefix(prefix):
@@ -111,6 +118,10 @@ class EtcdBackend(StoreBackend):
             if gen != generation or (round_text.isdigit() and int(round_text) < keep_from_round):
                 self._client.delete_prefix(f"{prefix}{gen}/{round_text}/")
 
+    def list_runs(self) -> list[str]:
+        prefix = self._settings.key_prefix.rstrip("/") + "/"
+        return sorted({kv.key.decode()[len(prefix):].split("/", 1)[0]
+                       for kv in self._client.get_prefix(prefix)})
+
     def clone(self) -> EtcdBackend:
-        clone = EtcdBackend(self._settings, self._client)
-        return clone
+        return EtcdBackend(self._settings, self._client)  # the client is thread-safe

@@ -6,8 +6,8 @@ what broke the old ``etcd3`` package). What it lacks is added here: rotation
 over several endpoints, user/password auth with re-login when the token expires,
 TLS through our own ``requests`` session (``trust_env=False`` so a machine-wide
 ``REQUESTS_CA_BUNDLE`` cannot override the CA), and the two transactions the
-rendezvous needs. Everything else should go through ``KeyValueClient`` so the
-client library can be swapped.
+rendezvous needs. This is the only module that imports etcd3gw, so the client
+library can be swapped here alone.
 """
 
 from __future__ import annotations
@@ -75,7 +75,6 @@ class EtcdClient:
         self._current = 0  # index of the endpoint that answered last
         self._token: str | None = None
         self._local = threading.local()
-        self._api_path: str | None = None
 
     # -- plumbing ----------------------------------------------------------------------
     def _session(self) -> requests.Session:
@@ -94,7 +93,7 @@ class EtcdClient:
         ep = self._settings.endpoints[index]
         return Etcd3Client(host=ep.host, port=ep.port, protocol=self._settings.scheme,
                            timeout=self._settings.timeouts.request, session=self._session(),
-                           api_path=self._api_path or "/v3/")
+                           api_path="/v3/")
 
     def _post_once(self, index: int, path: str, payload: dict[str, Any],
                    auth: bool = True) -> dict[str, Any]:
@@ -147,7 +146,8 @@ class EtcdClient:
                                  "password": self._settings.password or ""}, auth=False)
         self._token = reply.get("token")
 
-    def call(self, path: str, payload: dict[str, Any], deadline: float | None = None) -> dict[str, Any]:
+    def call(self, path: str, payload: dict[str, Any],
+             deadline: float | None = None) -> dict[str, Any]:
         """POST to the first endpoint that answers, rotating and retrying until ``deadline``."""
         endpoints = self._settings.endpoints
         errors: list[str] = []
@@ -170,8 +170,9 @@ class EtcdClient:
                         self._current = (index + 1) % len(endpoints)
                 raise
 
+        limit = deadline if deadline is not None else self._settings.timeouts.connect
         retrying = Retrying(
-            stop=stop_after_delay(deadline if deadline is not None else self._settings.timeouts.connect),
+            stop=stop_after_delay(limit),
             wait=wait_exponential(multiplier=0.02, max=0.5),
             retry=retry_if_exception_type(_Transient), reraise=True)
         try:

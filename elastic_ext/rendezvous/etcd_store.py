@@ -26,7 +26,12 @@ class EtcdV3Store(Store):
         super().__init__()  # required for pybind's trampoline
         self._client = client
         self._prefix = prefix if prefix.endswith("/") else prefix + "/"
+        self._timeout = timeout
         self.set_timeout(timeout)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        super().set_timeout(timeout)
+        self._timeout = timeout  # what ``wait`` uses by default
 
     def _key(self, key: str) -> str:
         return self._prefix + key
@@ -62,7 +67,7 @@ class EtcdV3Store(Store):
         return all(kv is not None for kv in self._client.multi_get([self._key(k) for k in keys]))
 
     def wait(self, keys: list[str], override_timeout: timedelta | None = None) -> None:
-        timeout = override_timeout if override_timeout is not None else self.timeout
+        timeout = override_timeout if override_timeout is not None else self._timeout
         deadline = time.monotonic() + timeout.total_seconds()
         while not self.check(keys):
             if time.monotonic() > deadline:
@@ -74,7 +79,8 @@ class EtcdV3Store(Store):
         return [kv.value for kv in self._client.multi_get([self._key(k) for k in keys]) if kv]
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        self._client.multi_put([(self._key(k), _bytes(v)) for k, v in zip(keys, values)])
+        self._client.multi_put([(self._key(k), _bytes(v))
+                                for k, v in zip(keys, values, strict=True)])
 
     def delete_key(self, key: str) -> bool:
         existed = self._client.get(self._key(key)) is not None

@@ -1,10 +1,9 @@
-"""Building the handler from torch's ``RendezvousParameters``: settings, store, checks."""
+"""Turning configuration into live objects: a store backend from settings, and the handler
+from torch's ``RendezvousParameters``. Store modules are imported only when chosen."""
 
 from __future__ import annotations
 
-import logging
-import os
-import sys
+from pathlib import Path
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
@@ -12,29 +11,26 @@ from elastic_ext.logs import configure_for_torchrun
 from elastic_ext.rendezvous.backend import StoreBackend
 from elastic_ext.rendezvous.handler import EtcdExtRendezvousHandler
 from elastic_ext.rendezvous.settings import Settings, parse_settings
+from elastic_ext.torch_compat import torchrun_max_restarts
 
-logger = logging.getLogger(__name__)
 
+def open_backend(settings: Settings, *, may_host: bool = True) -> StoreBackend:
+    """The run's backend on the store ``settings`` name, reachable when this returns.
 
-def torchrun_max_restarts(argv: list[str] | None = None) -> int | None:
-    """``--max-restarts`` of the torchrun command line this agent runs under, if any.
+    ``may_host=False`` (the operator commands) never hosts the embedded store.
 
-    The handler is not told the agent's restart budget, yet it keeps the job-wide
-    count; torchrun's own parser reads it back (PET_MAX_RESTARTS included).
+    Raises:
+        StoreUnavailableError: the store could not be reached within ``connect_timeout``.
+        StoreAuthError: the store refused the credentials or certificate.
+        ConfigError: the etcd server is too old for the v3 gateway.
     """
-    argv = sys.argv if argv is None else argv
-    if not argv:
-        return None
-    program = os.path.basename(argv[0])
-    if program != "torchrun" and not argv[0].endswith(os.path.join("distributed", "run.py")):
-        return None
-    from torch.distributed.run import get_args_parser
+    if settings.store == "c10d":
+        from elastic_ext.rendezvous.c10d_backend import C10dBackend
 
-    try:
-        args = get_args_parser().parse_args(argv[1:])
-    except SystemExit:
-        return None
-    return int(args.max_restarts)
+        return C10dBackend.connect(settings, may_host=may_host)
+    from elastic_ext.rendezvous.etcd_backend import EtcdBackend
+
+    return EtcdBackend.connect(settings)
 
 
 def settings_from_params(params: RendezvousParameters) -> Settings:
@@ -44,20 +40,10 @@ def settings_from_params(params: RendezvousParameters) -> Settings:
                           default_max_restarts=torchrun_max_restarts())
 
 
-def create_backend(settings: Settings) -> StoreBackend:
-    if settings.store == "c10d":
-        from elastic_ext.rendezvous.c10d_backend import C10dBackend, connect_tcp_store
-
-        return C10dBackend(settings, connect_tcp_store(settings))
-    from elastic_ext.rendezvous.etcd_backend import EtcdBackend
-
-    backend = EtcdBackend(settings)
-    version = backend.check_server()
-    logger.info("etcd-ext: etcd %s at %s", version, settings.describe_endpoints())
-    return backend
-
-
-def create_handler(params: RendezvousParameters) -> EtcdExtRendezvousHandler:
+def build_handler(params: RendezvousParameters, backend_name: str) -> EtcdExtRendezvousHandler:
+    """The handler torchrun asked for as ``--rdzv-backend=<backend_name>``."""
     configure_for_torchrun()
     settings = settings_from_params(params)
-    return EtcdExtRendezvousHandler(settings, create_backend(settings))
+    return EtcdExtRendezvousHandler(
+        settings, open_backend(settings), backend_name=backend_name,
+        events_file=Path(settings.events_file) if settings.events_file else None)

@@ -1,18 +1,22 @@
-"""The ``etcd-ext`` rendezvous handler torch's elastic agent drives."""
+"""The ``etcd-ext`` rendezvous handler torch's elastic agent drives.
+
+Each call to ``next_rendezvous`` runs the pure ``decide`` over the run's state until
+this node is in a closed round; the keeper thread (``keeper.py``) tells torch's agent,
+through ``num_nodes_waiting``, when to leave it. The store is reached only through
+the ``StoreBackend`` contract, and time only through the injected ``Clock``, so the
+whole handler runs in-process against an in-memory backend in the fast tests.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import socket
-import sys
-import time
 import uuid
-from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
-from torch.distributed.elastic.events import NodeState, construct_and_record_rdzv_event
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousHandler,
@@ -20,27 +24,31 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
-from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from elastic_ext.control import AgentControl
-from elastic_ext.plugin import BACKEND_NAME
-from elastic_ext.rendezvous.backend import StoreBackend
+from elastic_ext.net import free_port
+from elastic_ext.rendezvous.backend import StoreBackend, Token
+from elastic_ext.rendezvous.clock import SYSTEM_CLOCK, Clock
 from elastic_ext.rendezvous.errors import RestartBudgetExhaustedError, StoreUnavailableError
+from elastic_ext.rendezvous.events import EventKind, EventLog
 from elastic_ext.rendezvous.keeper import Keeper
 from elastic_ext.rendezvous.liveness import LEFT
 from elastic_ext.rendezvous.settings import Settings
 from elastic_ext.rendezvous.state import (
-    Decision,
+    BudgetSpent,
+    Closed,
+    Joined,
     Limits,
     NodeInfo,
-    Outcome,
     Phase,
     Reason,
     RunState,
     Status,
     View,
+    Write,
     decide,
 )
+from elastic_ext.torch_compat import agent_gave_up
 
 logger = logging.getLogger(__name__)
 
@@ -52,35 +60,45 @@ def make_node_id() -> str:
     return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def free_port(addr: str) -> int:
-    """A port the rank-0 worker can bind for the workers' store of this round."""
-    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
 class EtcdExtRendezvousHandler(RendezvousHandler):
-    def __init__(self, settings: Settings, backend: StoreBackend,
-                 keeper_backend_factory: Callable[[], StoreBackend] | None = None,
-                 node_id: str | None = None) -> None:
+    """torch's ``RendezvousHandler`` over a :class:`StoreBackend`.
+
+    ``node_id``, ``control``, ``clock`` and ``keeper_thread=False`` are for tests: a
+    fixed name, a control directory of their own, simulated time, and a keeper they
+    tick themselves.
+    """
+
+    def __init__(self, settings: Settings, backend: StoreBackend, *, backend_name: str,
+                 events_file: Path | None = None, node_id: str | None = None,
+                 control: AgentControl | None = None, clock: Clock = SYSTEM_CLOCK,
+                 keeper_thread: bool = True) -> None:
         self._settings = settings
         self._backend = backend
+        self._backend_name = backend_name
         self._node = node_id or make_node_id()
         self._addr = settings.local_addr or socket.getfqdn()
+        self._clock = clock
         self._limits = Limits(settings.min_nodes, settings.max_nodes,
                               settings.timeouts.last_call, settings.max_restarts)
-        self._control = AgentControl()
-        self._keeper = Keeper((keeper_backend_factory or backend.clone)(), self._node,
-                              settings.timeouts.heartbeat_interval, settings.timeouts.heartbeat,
-                              self._limits, self._control, on_event=self._record)
+        self._control = control or AgentControl()
+        self._events = EventLog(settings.run_id, self._node, self._addr, events_file)
+        self.keeper = Keeper(backend.clone(), self._node,
+                             interval=settings.timeouts.heartbeat_interval,
+                             timeout=settings.timeouts.heartbeat, limits=self._limits,
+                             control=self._control, events=self._events, clock=clock)
+        self._keeper_thread = keeper_thread
         self._keeper_started = False
         self._completed: tuple[str, int] | None = None
         self._min_reached_at: dict[tuple[str, int], float] = {}
         self._last_written_note = ""
+        self._events.emit(EventKind.STARTED,
+                          f"node {self._node} on the {backend.name} store"
+                          + (", which it hosts" if backend.hosts_store else ""),
+                          store=backend.name, hosts_store=backend.hosts_store)
 
     # -- torch's contract ------------------------------------------------------------------
     def get_backend(self) -> str:
-        return BACKEND_NAME
+        return self._backend_name
 
     @property
     def use_agent_store(self) -> bool:
@@ -97,53 +115,51 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         self._start_keeper()
-        reenter = self._keeper.pressure.reason if self._completed else Reason.START
+        pressure = self.keeper.pressure
+        reenter = pressure.reason if self._completed else Reason.START
         if self._completed:
-            why = self._keeper.pressure.why or "this node's workers failed"
-            self._record(f"restart after round {self._completed[1]}: {why}")
-        self._keeper.watch_round(None)
-        my_info = NodeInfo(self._addr, free_port(self._addr))
+            why = pressure.why or "this node's workers failed"
+            self._events.emit(EventKind.RESTART, f"restart after round {self._completed[1]}: {why}",
+                              after_round=self._completed[1], why=why)
+        self.keeper.watch_round(None)
+        my_info = NodeInfo(self._addr, free_port("::" if ":" in self._addr else ""))
         fresh_generation = uuid.uuid4().hex[:12]
-        deadline = time.monotonic() + self._settings.timeouts.join
+        deadline = self._clock.monotonic() + self._settings.timeouts.join
         last_note = ""
         while True:
             try:
                 state, token = self._read()
             except StoreUnavailableError as exc:
-                if not self._backend.outages_are_transient or time.monotonic() > deadline:
-                    raise
-                logger.warning("etcd-ext: store unreachable, still trying until the join "
-                               "timeout: %s", exc)
+                self._wait_out_outage(exc, deadline)
                 continue
             view = View(me=self._node, my_info=my_info,
-                        dead=self._keeper.dead_among(state.known_nodes()) if state else frozenset(),
+                        dead=self.keeper.dead_among(state.known_nodes()) if state else frozenset(),
                         completed=self._completed, min_reached_for=self._min_reached_for(state),
                         reenter_reason=reenter, fresh_generation=fresh_generation)
             decision = decide(state, view, self._limits)
-            if decision.outcome is Outcome.WRITE:
+            if isinstance(decision, Write):
                 try:
-                    self._write(decision, token)
-                except StoreUnavailableError:
-                    if not self._backend.outages_are_transient or time.monotonic() > deadline:
-                        raise
+                    self._write(decision.state, token)
+                except StoreUnavailableError as exc:
+                    self._wait_out_outage(exc, deadline)
                 continue
-            if decision.outcome is Outcome.JOINED:
-                return self._joined(decision.state)  # type: ignore[arg-type]
-            if decision.outcome is Outcome.BUDGET_SPENT:
-                message = (f"etcd-ext run {self._settings.run_id}: {decision.state.note}; "  # type: ignore[union-attr]
-                           "every agent stops. Fix the failing workers, then start the job again "
-                           "(a new job resets the budget)")
+            if isinstance(decision, Joined):
+                return self._joined(decision.state)
+            if isinstance(decision, BudgetSpent):
+                message = (f"etcd-ext run {self._settings.run_id}: {decision.state.note}; "
+                           "every agent stops. Fix the failing workers, then start the job "
+                           "again (a new job resets the budget)")
                 logger.error(message)
-                self._record(message, NodeState.FAILED)
+                self._events.emit(EventKind.BUDGET_SPENT, message, note=decision.state.note)
                 raise RestartBudgetExhaustedError(message)
-            if decision.outcome is Outcome.CLOSED:
+            if isinstance(decision, Closed):
                 raise RendezvousClosedError(f"etcd-ext run {self._settings.run_id} was closed")
             if state is not None and state.note not in (last_note, self._last_written_note):
                 last_note = state.note
                 logger.info("etcd-ext: %s", state.note)
-            if time.monotonic() > deadline:
+            if self._clock.monotonic() > deadline:
                 raise RendezvousTimeoutError(self._timeout_message(state))
-            time.sleep(_POLL)
+            self._clock.sleep(_POLL)
 
     def is_closed(self) -> bool:
         state, _ = self._read()
@@ -153,19 +169,19 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         self._update_status(Status.CLOSED, f"closed by {self._node}")
 
     def num_nodes_waiting(self) -> int:
-        return self._keeper.pressure.count
+        return self.keeper.pressure.count
 
     def shutdown(self) -> bool:
         """Leave the run. If our workers failed for good, the whole job's budget is spent."""
-        failure = sys.exc_info()[1]
+        gave_up = agent_gave_up()
         try:
-            if isinstance(failure, ChildFailedError) and self._settings.max_restarts is not None:
+            if gave_up and self._settings.max_restarts is not None:
                 self._update_status(Status.BUDGET_SPENT,
                                     f"restart budget spent: node {self._node} used up "
                                     f"--max-restarts={self._settings.max_restarts} and left")
-            self._keeper.stop()
+            self.keeper.stop()
             self._backend.leave(self._node)
-            self._record(f"node {self._node} left", NodeState.SUCCEEDED)
+            self._events.emit(EventKind.LEFT, f"node {self._node} left")
             self._remove_run_if_everyone_left()
             return True
         except Exception as exc:  # leaving is best effort: the heartbeat expires anyway
@@ -173,9 +189,19 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
             return False
         finally:
             self._control.close()
+            self._events.close()
             self._backend.close()
 
     # -- internals ---------------------------------------------------------------------------
+    def _wait_out_outage(self, exc: StoreUnavailableError, deadline: float) -> None:
+        """Inside a rendezvous an etcd outage is waited out until the join deadline; the
+        embedded store does not come back, so losing it ends the rendezvous at once."""
+        if not self._backend.outages_are_transient or self._clock.monotonic() > deadline:
+            raise exc
+        logger.warning("etcd-ext: store unreachable, still trying until the join timeout: %s",
+                       exc)
+        self._clock.sleep(_POLL)
+
     def _remove_run_if_everyone_left(self) -> None:
         """The last agent to leave removes the run's keys, so a finished job leaves nothing.
 
@@ -190,30 +216,31 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         beats = self._backend.read_beats(others)
         if all(value is None or value == LEFT for value in beats.values()):
             self._backend.remove_run()
-            logger.info("etcd-ext: last node out; removed the keys of run %s", self._settings.run_id)
+            logger.info("etcd-ext: last node out; removed the keys of run %s",
+                        self._settings.run_id)
 
     def _start_keeper(self) -> None:
         if self._keeper_started:
             return
         self._backend.beat(self._node)  # fail fast and clearly if the store is unreachable
-        self._keeper.tick()
-        self._keeper.start()
+        self.keeper.tick()
+        if self._keeper_thread:
+            self.keeper.start()
         self._keeper_started = True
 
-    def _read(self) -> tuple[RunState | None, object]:
+    def _read(self) -> tuple[RunState | None, Token | None]:
         current = self._backend.get_state()
         if current is None:
             return None, None
         raw, token = current
         return RunState.from_bytes(raw), token
 
-    def _write(self, decision: Decision, token: object) -> None:
-        new = decision.state
-        assert new is not None
+    def _write(self, new: RunState, token: Token | None) -> None:
         result = self._backend.set_state(new.to_bytes(), token)
         if result is not None and result[2] and new.note != self._last_written_note:
             self._last_written_note = new.note
-            self._record(new.note)
+            self._events.emit(EventKind.STATE, new.note, note=new.note, round=new.round,
+                              phase=new.phase.value)
 
     def _min_reached_for(self, state: RunState | None) -> float | None:
         if state is None or state.phase is not Phase.OPEN:
@@ -222,17 +249,20 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         if len(state.members) < self._settings.min_nodes:
             self._min_reached_at.pop(key, None)
             return None
-        started = self._min_reached_at.setdefault(key, time.monotonic())
-        return time.monotonic() - started
+        now = self._clock.monotonic()
+        return now - self._min_reached_at.setdefault(key, now)
 
     def _joined(self, state: RunState) -> RendezvousInfo:
         self._completed = (state.generation, state.round)
-        self._keeper.watch_round(self._completed)
+        self.keeper.watch_round(self._completed)
         self._control.publish_round(state.round)
         rank = state.rank_of(self._node)
         master = state.master()
-        self._record(f"joined round {state.round} as rank {rank} of {len(state.order)}",
-                     NodeState.RUNNING, rank)
+        self._events.emit(EventKind.JOINED,
+                          f"joined round {state.round} as rank {rank} of {len(state.order)}",
+                          generation=state.generation, round=state.round, rank=rank,
+                          world_size=len(state.order), master_addr=master.addr,
+                          master_port=master.port)
         logger.info("etcd-ext: round %d of run %s: rank %d of %d, workers' store at %s:%d",
                     state.round, self._settings.run_id, rank, len(state.order), master.addr,
                     master.port)
@@ -243,17 +273,18 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
             bootstrap_store_info=RendezvousStoreInfo(master.addr, master.port))
 
     def _forget_old_rounds(self, state: RunState) -> None:
-        drop = getattr(self._backend, "drop_round_stores", None)
-        if drop is not None and state.rank_of(self._node) == 0:
+        if state.rank_of(self._node) == 0:
             try:
-                drop(state.generation, state.round - 1)
-            except Exception as exc:
+                self._backend.drop_round_stores(state.generation, state.round - 1)
+            except Exception as exc:  # tidying up only: the keys are removed with the run
                 logger.debug("etcd-ext: could not drop old round stores: %s", exc)
         self._min_reached_at = {k: v for k, v in self._min_reached_at.items()
                                 if k == (state.generation, state.round)}
 
     def _update_status(self, status: Status, note: str) -> None:
-        retrying = Retrying(stop=stop_after_delay(self._settings.timeouts.close), wait=wait_fixed(0.1),
+        kind = EventKind.BUDGET_SPENT if status is Status.BUDGET_SPENT else EventKind.STATE
+        retrying = Retrying(stop=stop_after_delay(self._settings.timeouts.close),
+                            wait=wait_fixed(0.1),
                             retry=retry_if_exception_type(StoreUnavailableError), reraise=True)
         for attempt in retrying:
             with attempt:
@@ -264,7 +295,7 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
                     result = self._backend.set_state(
                         replace(state, status=status, note=note).to_bytes(), token)
                     if result is not None and result[2]:
-                        self._record(note)
+                        self._events.emit(kind, note, note=note, status=status.value)
                         return
 
     def _timeout_message(self, state: RunState | None) -> str:
@@ -273,13 +304,3 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
                 f"join_timeout={self._settings.timeouts.join:g}s ({joined} node(s) joined, "
                 f"--nnodes needs at least {self._settings.min_nodes}). Start more nodes, lower "
                 "--nnodes MIN, or raise --rdzv-conf join_timeout")
-
-    def _record(self, message: str, node_state: NodeState = NodeState.RUNNING,
-                rank: int | None = None) -> None:
-        logger.info("etcd-ext event: %s", message)
-        try:
-            construct_and_record_rdzv_event(
-                run_id=self._settings.run_id, message=message, node_state=node_state,
-                name=f"etcd-ext.{self._node}", hostname=self._addr, pid=os.getpid(), rank=rank)
-        except Exception:  # events are best effort; never fail a rendezvous over them
-            logger.debug("could not record rendezvous event", exc_info=True)

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from elastic_ext.control import AgentControl
 from elastic_ext.rendezvous.backend import StoreBackend
+from elastic_ext.rendezvous.clock import SYSTEM_CLOCK, Clock
 from elastic_ext.rendezvous.errors import CorruptStateError
+from elastic_ext.rendezvous.events import EventKind, EventLog
 from elastic_ext.rendezvous.liveness import LEFT, Liveness
 from elastic_ext.rendezvous.state import Limits, Reason, RunState, restart_pressure
 
@@ -27,22 +27,27 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Pressure:
+    """The keeper's verdict: how many reasons to leave the round, the first, and its kind."""
+
     count: int = 0
     why: str = ""
     reason: Reason = Reason.FAILURE
 
 
 class Keeper:
-    def __init__(self, backend: StoreBackend, node: str, interval: float, timeout: float,
-                 limits: Limits, control: AgentControl,
-                 on_event: Callable[[str], None] = lambda message: None) -> None:
+    """Runs ``tick`` every ``interval`` in its own thread once started; ``tick`` alone in tests."""
+
+    def __init__(self, backend: StoreBackend, node: str, *, interval: float, timeout: float,
+                 limits: Limits, control: AgentControl, events: EventLog,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self._backend = backend
         self._node = node
         self._interval = interval
         self._limits = limits
         self._control = control
-        self._on_event = on_event
-        self._liveness = Liveness(timeout)
+        self._events = events
+        self._clock = clock
+        self._liveness = Liveness(timeout, clock.monotonic)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -79,9 +84,9 @@ class Keeper:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            started = time.monotonic()
+            started = self._clock.monotonic()
             self.tick()
-            self._stop.wait(max(0.0, self._interval - (time.monotonic() - started)))
+            self._stop.wait(max(0.0, self._interval - (self._clock.monotonic() - started)))
 
     def tick(self) -> None:
         try:
@@ -103,12 +108,12 @@ class Keeper:
                     self._pressure = Pressure(1, "a worker reported a peer fault while the "
                                                  "store is unreachable", Reason.FAILURE)
             if self._failing_since is None:
-                self._failing_since = time.monotonic()
+                self._failing_since = self._clock.monotonic()
                 logger.warning("etcd-ext: store unreachable, heartbeats paused: %s", exc)
             return
         if self._failing_since is not None:
             logger.warning("etcd-ext: store reachable again after %.1fs",
-                           time.monotonic() - self._failing_since)
+                           self._clock.monotonic() - self._failing_since)
             self._failing_since = None
         with self._lock:
             self._liveness.observe(beats)
@@ -116,9 +121,11 @@ class Keeper:
                 self._liveness.forget(nodes)
             dead = self._liveness.dead_among(nodes)
             for node in sorted(dead - self._reported_dead):
-                left = beats.get(node) == LEFT
-                self._on_event(f"node {node} left" if left else
-                               f"node {node} declared dead (no heartbeat change)")
+                if beats.get(node) == LEFT:
+                    self._events.emit(EventKind.NODE_LEFT, f"node {node} left", peer=node)
+                else:
+                    self._events.emit(EventKind.NODE_DEAD,
+                                      f"node {node} declared dead (no heartbeat change)", peer=node)
             self._reported_dead |= dead
             if self._round is None or state is None:
                 return

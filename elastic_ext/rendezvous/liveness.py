@@ -39,11 +39,11 @@ class Liveness:
             self._blind = False
         self._last_read = now
         for node, value in beats.items():
-            seen = self._seen.get(node)
-            if seen is None:
+            known = self._seen.get(node)
+            if known is None:
                 self._seen[node] = _Seen(value, now)
-            elif seen.value != value:
-                seen.value, seen.changed_at = value, now
+            elif known.value != value:
+                known.value, known.changed_at = value, now
 
     def blind(self) -> None:
         """A read failed: what we saw so far says nothing about the time since."""

@@ -32,13 +32,15 @@ CONF_KEYS: dict[str, tuple[str, str]] = {
     "close_timeout": ("10", "seconds `shutdown` and `set_closed` keep trying to reach the store"),
     "heartbeat_interval": ("0.5", "seconds between an agent's heartbeats"),
     "heartbeat_timeout": ("3.0", "a node whose heartbeat has not changed for this long is dead"),
-    "request_timeout": ("2.0", "seconds one etcd request may take before the next endpoint is tried"),
+    "request_timeout": ("2.0", "seconds one etcd request may take before the next endpoint "
+                               "is tried"),
     "connect_timeout": ("15", "seconds one store operation keeps retrying across endpoints; "
                               "an agent that cannot reach etcd at start, or loses the embedded "
                               "store, fails after this with the endpoints named (inside a "
                               "rendezvous an etcd outage is waited out until `join_timeout`)"),
-    "max_restarts": ("torchrun's `--max-restarts`", "job-wide budget of worker-failure restarts, "
-                                                    "kept in the store; membership changes are free"),
+    "max_restarts": ("torchrun's `--max-restarts`",
+                     "job-wide budget of worker-failure restarts, kept in the store; "
+                     "membership changes are free"),
     "cacert": ("", "CA bundle that signed etcd's server certificate (turns on https)"),
     "cert": ("", "client certificate for etcd mutual TLS (needs `key`)"),
     "key": ("", "private key of `cert`"),
@@ -47,6 +49,8 @@ CONF_KEYS: dict[str, tuple[str, str]] = {
     "password_file": ("", "file whose first line is the etcd password"),
     "is_host": ("auto", "c10d store only: whether this node hosts the embedded TCPStore "
                         "(`auto`: the node whose address matches the endpoint tries)"),
+    "events_file": ("", "append one JSON line per rendezvous event of this agent to this file "
+                        "(for tools and audits; see `elastic_ext/rendezvous/events.py`)"),
     "timeout": ("900", "set by torchrun from `--rdzv-timeout`; used as `join_timeout` "
                        "when that key is not given"),
 }
@@ -98,6 +102,7 @@ class Settings:
     max_restarts: int | None = None
     is_host: bool | None = None
     local_addr: str | None = None
+    events_file: str | None = None
 
     @property
     def run_prefix(self) -> str:
@@ -154,7 +159,8 @@ def parse_endpoints(text: str, default_port: int) -> tuple[str | None, tuple[End
         try:
             port = int(port_text) if port_text else default_port
         except ValueError:
-            raise ConfigError(f"--rdzv-endpoint entry {item!r} has a port that is not a number") from None
+            raise ConfigError(
+                f"--rdzv-endpoint entry {item!r} has a port that is not a number") from None
         if not 0 < port < 65536:
             raise ConfigError(f"--rdzv-endpoint entry {item!r}: port {port} is outside 1-65535")
         endpoints.append(Endpoint(host, port))
@@ -225,7 +231,8 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
         if not endpoints:
             raise ConfigError("store etcd needs --rdzv-endpoint=HOST:PORT[,HOST:PORT...] "
                               "(or leave the endpoint empty to use the embedded c10d store)")
-        wire_scheme = "https" if (scheme in {"https", "etcds"} or tls.cacert or tls.cert) else "http"
+        secure = scheme in {"https", "etcds"} or tls.cacert or tls.cert
+        wire_scheme = "https" if secure else "http"
 
     join = conf.get("join_timeout", conf.get("timeout", 600))
     timeouts = Timeouts(
@@ -257,4 +264,5 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
         run_id=run_id, min_nodes=min_nodes, max_nodes=max_nodes, timeouts=timeouts, tls=tls,
         user=user, password=_read_password(conf, user), max_restarts=max_restarts,
         is_host=_bool_or_auto("is_host", conf.get("is_host", "auto")), local_addr=local_addr,
+        events_file=str(conf["events_file"]) if conf.get("events_file") else None,
     )

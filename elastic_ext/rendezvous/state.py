@@ -165,18 +165,38 @@ class View:
     fresh_generation: str  # the id to use if it must start a new generation
 
 
-class Outcome(enum.Enum):
-    WAIT = "wait"  # poll again
-    WRITE = "write"  # compare-and-swap ``state``, then decide again
-    JOINED = "joined"  # this node is in the closed round ``state``
-    BUDGET_SPENT = "budget_spent"
-    CLOSED = "closed"
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to do now: poll the state again."""
 
 
 @dataclass(frozen=True)
-class Decision:
-    outcome: Outcome
-    state: RunState | None = None
+class Write:
+    """Compare-and-swap ``state`` into the store, then decide again."""
+
+    state: RunState
+
+
+@dataclass(frozen=True)
+class Joined:
+    """This node is a member of the closed round ``state``."""
+
+    state: RunState
+
+
+@dataclass(frozen=True)
+class BudgetSpent:
+    """The job-wide restart budget is spent; ``state.note`` says how."""
+
+    state: RunState
+
+
+@dataclass(frozen=True)
+class Closed:
+    """The run was closed for good (``set_closed``)."""
+
+
+Decision = Wait | Write | Joined | BudgetSpent | Closed
 
 
 def fresh_state(view: View, round_: int, limits: Limits) -> RunState:
@@ -197,16 +217,16 @@ def _is_stranger(state: RunState, view: View) -> bool:
 def decide(state: RunState | None, view: View, limits: Limits) -> Decision:
     """One step of the rendezvous for ``view.me``. Pure: no I/O, no clocks."""
     if state is None:
-        return Decision(Outcome.WRITE, fresh_state(view, 1, limits))
+        return Write(fresh_state(view, 1, limits))
     if state.status is Status.CLOSED:
-        return Decision(Outcome.CLOSED, state)
+        return Closed()
     others = state.known_nodes() - {view.me}
     everyone_gone = others <= view.dead
     if everyone_gone and _is_stranger(state, view) and view.me not in state.members:
         # Nobody of the old generation is alive: a new job (or a requeued one) starts over.
-        return Decision(Outcome.WRITE, fresh_state(view, state.round + 1, limits))
+        return Write(fresh_state(view, state.round + 1, limits))
     if state.status is Status.BUDGET_SPENT:
-        return Decision(Outcome.BUDGET_SPENT, state)
+        return BudgetSpent(state)
     if state.phase is Phase.CLOSED:
         return _decide_closed(state, view)
     return _decide_open(state, view, limits)
@@ -215,15 +235,14 @@ def decide(state: RunState | None, view: View, limits: Limits) -> Decision:
 def _decide_closed(state: RunState, view: View) -> Decision:
     if view.me in state.members:
         if view.completed != (state.generation, state.round):
-            return Decision(Outcome.JOINED, state)
-        return Decision(Outcome.WRITE, open_next_round(state, view, view.reenter_reason))
+            return Joined(state)
+        return Write(open_next_round(state, view, view.reenter_reason))
     if view.me not in state.waiting:
         waiting = {**state.waiting, view.me: view.my_info}
-        return Decision(Outcome.WRITE, replace(state, waiting=waiting,
-                                               note=f"{view.me} waits to join"))
+        return Write(replace(state, waiting=waiting, note=f"{view.me} waits to join"))
     if set(state.order) <= view.dead:
-        return Decision(Outcome.WRITE, open_next_round(state, view, Reason.MEMBERSHIP))
-    return Decision(Outcome.WAIT)
+        return Write(open_next_round(state, view, Reason.MEMBERSHIP))
+    return Wait()
 
 
 def open_next_round(state: RunState, view: View, reason: Reason) -> RunState:
@@ -236,21 +255,20 @@ def open_next_round(state: RunState, view: View, reason: Reason) -> RunState:
 def _decide_open(state: RunState, view: View, limits: Limits) -> Decision:
     dead_members = (set(state.members) & view.dead) - {view.me}
     if dead_members:
-        return Decision(Outcome.WRITE, replace(
+        return Write(replace(
             state, members=_without(state.members, dead_members),
             note=f"dropped dead {sorted(dead_members)} from round {state.round}"))
     if view.me not in state.members:
         if len(state.members) < limits.max_nodes:
-            return Decision(Outcome.WRITE, replace(
+            return Write(replace(
                 state, members={**state.members, view.me: view.my_info},
                 waiting=_without(state.waiting, [view.me])))
         if view.me not in state.waiting:
-            return Decision(Outcome.WRITE, replace(
-                state, waiting={**state.waiting, view.me: view.my_info}))
-        return Decision(Outcome.WAIT)
+            return Write(replace(state, waiting={**state.waiting, view.me: view.my_info}))
+        return Wait()
     if should_close(state, view, limits):
-        return Decision(Outcome.WRITE, close_round(state, view))
-    return Decision(Outcome.WAIT)
+        return Write(close_round(state, view))
+    return Wait()
 
 
 def should_close(state: RunState, view: View, limits: Limits) -> bool:

@@ -42,11 +42,11 @@ from elastic_ext.local.processes import (
     TAG_ENV,
     Proc,
     ProcessSet,
-    pid_alive,
     signal_pids,
     tagged_pids,
     wait_until,
 )
+from elastic_ext.procinfo import pid_alive
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = ("slurmctld", "slurmd", "sbatch", "munged")
@@ -84,9 +84,11 @@ def check_host() -> None:
         if made.returncode != 0:
             raise LabUnavailable(f"cannot create a network namespace here: {made.stderr.strip()}")
         try:
-            link = _run(["nsenter", f"--net={ns}", "ip", "link", "add", "br0", "type", "bridge"], check=False)
+            link = _run(["nsenter", f"--net={ns}", "ip", "link", "add", "br0", "type", "bridge"],
+                        check=False)
             if link.returncode != 0:
-                raise LabUnavailable(f"cannot create a bridge in a network namespace: {link.stderr.strip()}")
+                raise LabUnavailable("cannot create a bridge in a network namespace: "
+                                     f"{link.stderr.strip()}")
         finally:
             _run(["umount", str(ns)], check=False)
 
@@ -99,7 +101,8 @@ def ensure_packages() -> None:
         raise RuntimeError(f"slurm/munge are missing and there is no apt-get to install {PACKAGES}")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     _run(["apt-get", "update", "-qq"], timeout=300, env=env)
-    _run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES], timeout=600, env=env)
+    _run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES], timeout=600,
+         env=env)
 
 
 def ns_inode(ns_file: Path) -> int | None:
@@ -180,7 +183,8 @@ def _remove_lab_dir(root: Path) -> list[str]:
 
 
 class SlurmLab:
-    """``up()`` builds the cluster, ``down()`` removes every trace of it; use as a context manager."""
+    """``up()`` builds the cluster, ``down()`` removes every trace of it; use as a context
+    manager."""
 
     def __init__(self, processes: ProcessSet, nodes: int = 2, slurmd_timeout: int = 10) -> None:
         if not 1 <= nodes <= 9:
@@ -353,7 +357,8 @@ class SlurmLab:
     def _write_conf(self) -> None:
         assert self.root is not None
         r = self.root
-        nodes = "".join(f"NodeName={n} NodeAddr={self.addr(n)} CPUs=2 RealMemory=2000 State=UNKNOWN\n"
+        nodes = "".join(f"NodeName={n} NodeAddr={self.addr(n)} CPUs=2 RealMemory=2000 "
+                        "State=UNKNOWN\n"
                         for n in self.nodes)
         node_list = ",".join(self.nodes)
         self.conf.write_text(f"""\
@@ -393,7 +398,8 @@ PreemptMode=REQUEUE
 # Send the job's --signal (USR2) when it is preempted, GraceTime before TERM/KILL.
 SlurmctldParameters=preempt_send_user_signal
 {nodes}\
-PartitionName=batch Nodes={node_list} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=30
+PartitionName=batch Nodes={node_list} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 \
+PreemptMode=REQUEUE GraceTime=30
 PartitionName=urgent Nodes={node_list} MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 """)
         (r / "state").mkdir()
@@ -432,7 +438,8 @@ PartitionName=urgent Nodes={node_list} MaxTime=INFINITE State=UP PriorityTier=10
         for p in self.processes.procs:
             daemon = p.name in ("munged", "slurmctld") or p.name.startswith("slurmd-")
             if daemon and p.popen.poll() is not None:
-                raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n{p.output()[-3000:]}"
+                raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n"
+                                   f"{p.output()[-3000:]}"
                                    f"\n{self.log(p.name)[-3000:]}")
 
     def sbatch(self, *args: str, env: Mapping[str, str] | None = None) -> str:
@@ -455,9 +462,10 @@ PartitionName=urgent Nodes={node_list} MaxTime=INFINITE State=UP PriorityTier=10
             last["job"] = self.job(job_id)
             return last["job"] if predicate(last["job"]) else None
         try:
-            return wait_until(check, timeout, 0.25, what)  # type: ignore[return-value]
+            return wait_until(check, timeout, 0.25, what)
         except TimeoutError as exc:
-            state = {k: last.get("job", {}).get(k) for k in ("JobState", "Reason", "Restarts", "NodeList")}
+            state = {k: last.get("job", {}).get(k)
+                     for k in ("JobState", "Reason", "Restarts", "NodeList")}
             raise TimeoutError(f"{exc}; job {job_id}: {state}") from None
 
     def wait_nodes(self, nodes: Sequence[str], state: str, timeout: float) -> None:
@@ -475,7 +483,8 @@ PartitionName=urgent Nodes={node_list} MaxTime=INFINITE State=UP PriorityTier=10
         self._ip("sw", "link", "set", f"v-{host}", "up")
 
     def spawn_in(self, host: str, name: str, cmd: Sequence[str]) -> Proc:
-        """A long-running process (an external etcd, say) in ``host``'s namespace, killed at ``down``."""
+        """A long-running process (an external etcd, say) in ``host``'s namespace, killed at
+        ``down``."""
         return self.processes.spawn(name, self.in_ns(host, cmd), env=self._tagged())
 
     def host_processes(self, host: str) -> dict[int, str]:
@@ -498,7 +507,8 @@ PartitionName=urgent Nodes={node_list} MaxTime=INFINITE State=UP PriorityTier=10
         """A daemon's log file (slurmctld, slurmd-node1, munged)."""
         if self.root is None:
             return ""
-        path = self.root / "munge" / "munged.log" if name == "munged" else self.root / "log" / f"{name}.log"
+        path = (self.root / "munge" / "munged.log" if name == "munged"
+                else self.root / "log" / f"{name}.log")
         try:
             return path.read_text(errors="replace")
         except OSError:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic_ext.local.processes import Proc, ProcessSet, wait_until
+from elastic_ext.jsonlines import read_json_lines
+from elastic_ext.local.processes import Proc, ProcessSet, environ_of, wait_until
 
 PY = sys.executable
 _TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -25,7 +26,8 @@ BASE_ARGS: tuple[str, ...] = ("--steps", "40", "--global-batch-size", "14", "--d
 
 
 def env(**extra: str) -> dict[str, str]:
-    """The environment of every trainer run: one intra-op thread, so that runs compare bit for bit."""
+    """The environment of every trainer run: one intra-op thread, so that runs compare bit for
+    bit."""
     e = dict(os.environ)
     e.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TRAINER_LOG_LEVEL": "INFO"})
     e.update(extra)
@@ -38,21 +40,8 @@ def trainer_cmd(*args: str) -> list[str]:
 
 def torchrun_cmd(nproc: int, *args: str, agent_args: Sequence[str] = ()) -> list[str]:
     launcher = [str(_TORCHRUN)] if _TORCHRUN.exists() else [PY, "-m", "torch.distributed.run"]
-    return [*launcher, "--standalone", f"--nproc-per-node={nproc}", *agent_args, "-m", "trainer", *args]
-
-
-def events(path: Path) -> list[dict[str, Any]]:
-    out = []
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    for line in text.splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
+    return [*launcher, "--standalone", f"--nproc-per-node={nproc}", *agent_args, "-m", "trainer",
+            *args]
 
 
 def of(evs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -61,9 +50,10 @@ def of(evs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 def wait_event(path: Path, predicate: Callable[[dict[str, Any]], bool], timeout: float,
                proc: Proc | None = None, what: str = "event") -> dict[str, Any]:
-    """The first event matching ``predicate``; fails early, with the log, if ``proc`` ended first."""
+    """The first event matching ``predicate``; fails early, with the log, if ``proc`` ended
+    first."""
     def check() -> dict[str, Any] | None:
-        for event in events(path):
+        for event in read_json_lines(path):
             if predicate(event):
                 return event
         if proc is not None and proc.popen.poll() is not None:
@@ -79,7 +69,8 @@ def finish(proc: Proc, timeout: float) -> int:
     try:
         return proc.wait(timeout)
     except Exception as exc:
-        raise AssertionError(f"{proc.name} did not finish in {timeout}s:\n{proc.output()[-6000:]}") from exc
+        raise AssertionError(f"{proc.name} did not finish in {timeout}s:\n"
+                             f"{proc.output()[-6000:]}") from exc
 
 
 def run_to_end(processes: ProcessSet, name: str, cmd: list[str], timeout: float,
@@ -91,18 +82,15 @@ def run_to_end(processes: ProcessSet, name: str, cmd: list[str], timeout: float,
 
 
 def worker_pids(proc: Proc, expected: int, timeout: float = 60) -> dict[int, int]:
-    """rank -> pid of the current workers, from their start lines in the log."""
+    """rank -> pid of the agent's live workers, from the ``RANK`` torchrun gave each."""
     def look() -> dict[int, int] | None:
         found: dict[int, int] = {}
-        live = set(proc.pids())
-        for rank, pid in re.findall(r"\[rank (\d+)\] INFO trainer.train: rank \d+/\d+ pid (\d+) starting",
-                                    proc.output()):
-            if int(pid) in live:
-                found[int(rank)] = int(pid)
+        for pid in proc.pids():
+            rank = environ_of(pid).get("RANK")
+            if pid != proc.pid and rank is not None and not pid_gone(pid):
+                found[int(rank)] = pid
         return found if len(found) == expected else None
-    result = wait_until(look, timeout=timeout, what=f"{expected} live workers")
-    assert isinstance(result, dict)
-    return result
+    return wait_until(look, timeout=timeout, what=f"{expected} live workers")
 
 
 def exit_lines(proc: Proc) -> list[tuple[int, int]]:
@@ -129,17 +117,19 @@ class Reference:
 _REFERENCES: dict[tuple[Any, ...], Reference] = {}
 
 
-def reference(processes: ProcessSet, tmp: Path, nproc: int, args: Sequence[str] = BASE_ARGS) -> Reference:
+def reference(processes: ProcessSet, tmp: Path, nproc: int,
+              args: Sequence[str] = BASE_ARGS) -> Reference:
     """The uninterrupted run of ``args`` at ``nproc`` ranks, run once per test session."""
     key = (nproc, tuple(args))
     if key not in _REFERENCES:
         out = tmp / f"reference-{nproc}"
         out.mkdir(parents=True, exist_ok=True)
-        full = [*args, "--metrics", str(out / "m.jsonl"), "--record-samples", str(out / "samples.jsonl")]
+        full = [*args, "--metrics", str(out / "m.jsonl"),
+                "--record-samples", str(out / "samples.jsonl")]
         cmd = trainer_cmd(*full) if nproc == 1 else torchrun_cmd(nproc, *full)
         start = time.monotonic()
         run_to_end(processes, f"reference-{nproc}", cmd, timeout=90)
-        done = of(events(out / "m.jsonl"), "done")
+        done = of(read_json_lines(out / "m.jsonl"), "done")
         assert len(done) == 1, f"reference run logged {done} after {time.monotonic() - start:.1f}s"
         samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
         _REFERENCES[key] = Reference(sha256=done[0]["params_sha256"], samples=samples)

@@ -1,0 +1,45 @@
+"""State snapshots for training loops: cheap for the loop, durable on disk.
+
+A commit copies the state to reusable host buffers (the only part the loop waits
+for) and one background thread writes it: a temporary file, fsync, an atomic
+rename, an fsync of the directory, then a small manifest carrying the payload's
+sha256, written the same way. A snapshot exists only once its manifest does, so
+a crash at any moment leaves the previous snapshot intact and loadable.
+
+Restore takes the newest snapshot whose checksum verifies, skipping corrupt or
+truncated ones with a warning that names the file, and refuses a snapshot taken
+of a different model with :class:`SnapshotMismatchError`.
+
+State replicated under DDP is written once, by global rank 0, into a directory
+every rank can read (a shared filesystem when the job spans nodes). Sharded state
+(FSDP, tensor parallel) is out of scope: every rank would have to write its part.
+
+This package exports what a training loop and an operator need. The parts, one
+job each, are importable on their own: ``layout`` (file names, the manifest),
+``retention`` (what to keep and delete), ``durable`` (atomic writes, verification),
+``payload`` (the file format), ``tree`` (the walk over a state tree), ``staging``
+(host buffers), ``rng`` (RNG states), ``errors`` and ``hook`` (:class:`Snapshotter`).
+"""
+
+from __future__ import annotations
+
+from elastic_ext.snapshot.durable import newest_valid, verify
+from elastic_ext.snapshot.errors import SnapshotError, SnapshotMismatchError, SnapshotWriteError
+from elastic_ext.snapshot.hook import DEFAULT_KEEP, Restored, SnapshotInfo, Snapshotter, Stateful
+from elastic_ext.snapshot.layout import Manifest
+from elastic_ext.snapshot.payload import load_payload
+
+__all__ = [
+    "DEFAULT_KEEP",
+    "Manifest",
+    "Restored",
+    "SnapshotError",
+    "SnapshotInfo",
+    "SnapshotMismatchError",
+    "SnapshotWriteError",
+    "Snapshotter",
+    "Stateful",
+    "load_payload",
+    "newest_valid",
+    "verify",
+]

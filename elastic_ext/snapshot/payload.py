@@ -1,0 +1,123 @@
+"""The payload file format: a small ``torch.save`` header, then the tensors' raw bytes.
+
+The header is the state with every dense CPU tensor replaced by a reference, plus a
+table of dtypes and shapes. Writing raw bytes (``os.write`` underneath) and hashing
+them with ``hashlib`` releases the GIL for all the heavy work, where ``torch.save``
+copies each tensor into a Python ``bytes`` object and checksums it with the GIL held,
+which stalls the training thread.
+
+Layout: magic, header length (8 bytes, little endian), header, then each tensor's
+bytes, each starting at a multiple of 64 bytes from the start of the file.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from elastic_ext.snapshot.errors import SnapshotError
+from elastic_ext.snapshot.tree import TreePath, map_tree
+
+PAYLOAD_MAGIC = b"EXTSNAP1"
+_TENSOR_REF = "__elastic_ext_tensor__"
+_ALIGN = 64
+_WRITE_CHUNK = 8 << 20
+
+
+def _holds_reserved_key(node: Any) -> bool:
+    return isinstance(node, Mapping) and _TENSOR_REF in node
+
+
+def _is_tensor_ref(node: Any) -> bool:
+    return isinstance(node, Mapping) and set(node) == {_TENSOR_REF}
+
+
+def _split_tensors(tree: Any, tensors: list[torch.Tensor]) -> Any:
+    """The tree with each dense tensor replaced by ``{_TENSOR_REF: index}`` into ``tensors``."""
+
+    def leaf(node: Any, _path: TreePath) -> Any:
+        if _holds_reserved_key(node):
+            raise ValueError(f"{_TENSOR_REF!r} is a reserved key")
+        if isinstance(node, torch.Tensor) and node.layout == torch.strided \
+                and not node.is_nested and node.device.type == "cpu" and node.is_contiguous():
+            tensors.append(node)
+            return {_TENSOR_REF: len(tensors) - 1}
+        return node  # sparse tensors and the like stay in the header, serialized by torch.save
+
+    return map_tree(tree, leaf, is_leaf=_holds_reserved_key)
+
+
+def _join_tensors(tree: Any, tensors: list[torch.Tensor]) -> Any:
+    """The inverse of :func:`_split_tensors`: each reference replaced by its tensor."""
+
+    def leaf(node: Any, _path: TreePath) -> Any:
+        return tensors[int(node[_TENSOR_REF])] if _is_tensor_ref(node) else node
+
+    return map_tree(tree, leaf, is_leaf=_is_tensor_ref)
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
+
+
+def _padding(offset: int) -> int:
+    return -offset % _ALIGN
+
+
+def write_payload(out: Any, payload: Mapping[str, Any]) -> None:
+    """Write ``payload`` to ``out``, which needs only ``write``; see the module docstring."""
+    tensors: list[torch.Tensor] = []
+    skeleton = _split_tensors(dict(payload), tensors)
+    table = [(str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in tensors]
+    buffer = io.BytesIO()
+    torch.save({"payload": skeleton, "tensors": table}, buffer)
+    header = buffer.getvalue()
+    offset = 0
+    for part in (PAYLOAD_MAGIC, len(header).to_bytes(8, "little"), header):
+        out.write(part)
+        offset += len(part)
+    for tensor in tensors:
+        out.write(b"\0" * _padding(offset))
+        offset += _padding(offset)
+        view = _byte_view(tensor)
+        for start in range(0, len(view), _WRITE_CHUNK):
+            out.write(view[start:start + _WRITE_CHUNK])
+        offset += len(view)
+
+
+def load_payload(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict[str, Any]:
+    """Read a payload written by :func:`write_payload` (no checksum check: see ``verify``)."""
+    with open(path, "rb", buffering=0) as f:
+        if f.read(len(PAYLOAD_MAGIC)) != PAYLOAD_MAGIC:
+            raise SnapshotError(f"{path} is not an elastic-ext snapshot payload")
+        length = int.from_bytes(f.read(8), "little")
+        header = torch.load(io.BytesIO(f.read(length)), map_location="cpu",
+                            weights_only=weights_only)
+        offset = len(PAYLOAD_MAGIC) + 8 + length
+        tensors = []
+        for dtype_name, shape in header["tensors"]:
+            dtype = getattr(torch, dtype_name)
+            if not isinstance(dtype, torch.dtype):
+                raise SnapshotError(f"{path} names an unknown dtype {dtype_name!r}")
+            f.seek(_padding(offset), os.SEEK_CUR)
+            offset += _padding(offset)
+            tensor = torch.empty(tuple(shape), dtype=dtype)
+            view = _byte_view(tensor)
+            done = 0
+            while done < len(view):
+                n = f.readinto(view[done:])
+                if not n:
+                    raise SnapshotError(f"{path} ends inside a tensor")
+                done += n
+            offset += len(view)
+            tensors.append(tensor)
+    result = _join_tensors(header["payload"], tensors)
+    assert isinstance(result, dict)
+    return result
+
+
+__all__ = ["PAYLOAD_MAGIC", "load_payload", "write_payload"]

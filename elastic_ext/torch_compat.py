@@ -1,0 +1,60 @@
+"""Every place etcd-ext relies on a torch internal, behind one function each.
+
+torch's public elastic API does not tell a rendezvous handler everything it needs
+(the agent's ``--max-restarts``, whether the agent is shutting down because its
+workers failed for good, which host names are this machine). What etcd-ext reads
+from torch's internals instead lives here and nowhere else, and
+``tests/test_torch_compat.py`` checks each one against the installed torch, so a
+torch upgrade that removes or changes one fails loudly, naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+LAUNCH_AGENT = "torch.distributed.launcher.api.launch_agent"
+ARGS_PARSER = "torch.distributed.run.get_args_parser"
+MATCHES_HOSTNAME = "torch.distributed.elastic.rendezvous.utils._matches_machine_hostname"
+
+
+def torchrun_max_restarts(argv: Sequence[str] | None = None) -> int | None:
+    """``--max-restarts`` of the torchrun command line this agent runs under, if any.
+
+    The handler is not told the agent's restart budget, yet it keeps the job-wide
+    count; torchrun's own parser (``ARGS_PARSER``) reads it back from ``sys.argv``,
+    ``PET_MAX_RESTARTS`` included. None when this process is not torchrun.
+    """
+    argv = list(sys.argv if argv is None else argv)
+    if not argv:
+        return None
+    program = os.path.basename(argv[0])
+    if program != "torchrun" and not argv[0].endswith(os.path.join("distributed", "run.py")):
+        return None
+    from torch.distributed.run import get_args_parser
+
+    try:
+        args = get_args_parser().parse_args(argv[1:])
+    except SystemExit:
+        return None
+    return int(args.max_restarts)
+
+
+def agent_gave_up() -> bool:
+    """Whether torch's agent is shutting the handler down because its workers failed for good.
+
+    ``LAUNCH_AGENT`` raises ``ChildFailedError`` once the workers exhausted
+    ``--max-restarts`` and calls ``rdzv_handler.shutdown()`` in its ``finally``, so
+    inside ``shutdown`` that error is the exception being handled.
+    """
+    return isinstance(sys.exc_info()[1], ChildFailedError)
+
+
+def matches_machine_hostname(host: str) -> bool:
+    """Whether ``host`` names this machine (loopback, its host name, or one of its addresses)."""
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    return bool(_matches_machine_hostname(host))

@@ -1,0 +1,141 @@
+"""An in-memory ``StoreBackend`` for fast, deterministic tests of the handler and the keeper.
+
+It is held to the same contract tests as etcd and the embedded store
+(``tests/test_backend_contract.py``), so what the in-process tests prove with it holds
+for the real stores as far as the contract goes; the real-store tests stay for the rest.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from datetime import timedelta
+
+from torch.distributed import HashStore, Store
+
+from elastic_ext.rendezvous.backend import (
+    STATE_KEY,
+    StoreBackend,
+    Token,
+    unwrap_state,
+    wrap_state,
+)
+from elastic_ext.rendezvous.errors import StoreUnavailableError
+from elastic_ext.rendezvous.liveness import LEFT
+
+
+class MemoryStore:
+    """The shared "server": versioned keys, the rounds' stores, and a switch that takes it down."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.keys: dict[str, tuple[bytes, int]] = {}
+        self.revision = 0
+        self.down = False
+        self.round_stores: dict[str, Store] = {}
+
+    def check_up(self) -> None:
+        if self.down:
+            raise StoreUnavailableError("the in-memory store is down (test)")
+
+    def put(self, key: str, value: bytes) -> int:
+        self.revision += 1
+        self.keys[key] = (value, self.revision)
+        return self.revision
+
+    def plant(self, key: str, raw: bytes) -> None:
+        """Write ``raw`` under ``key`` as a foreign program would."""
+        with self.lock:
+            self.put(key, raw)
+
+
+class MemoryBackend(StoreBackend):
+    """One run's keys in a :class:`MemoryStore`; tokens are revisions, as on etcd."""
+
+    def __init__(self, store: MemoryStore, run_prefix: str = "/elastic-ext/run1/", *,
+                 transient: bool = True) -> None:
+        self.store = store
+        self._prefix = run_prefix
+        self._transient = transient
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def outages_are_transient(self) -> bool:
+        return self._transient
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        with self.store.lock:
+            self.store.check_up()
+            found = self.store.keys.get(self._prefix + STATE_KEY)
+        if found is None:
+            return None
+        return unwrap_state(found[0]), found[1]
+
+    def set_state(self, state: bytes, token: Token | None = None
+                  ) -> tuple[bytes, Token, bool] | None:
+        key = self._prefix + STATE_KEY
+        with self.store.lock:
+            self.store.check_up()
+            found = self.store.keys.get(key)
+            valid = token is None or (isinstance(token, int) and not isinstance(token, bool))
+            current_revision = None if found is None else found[1]
+            if valid and token == current_revision:
+                return state, self.store.put(key, wrap_state(state)), True
+        if found is None:
+            return None
+        return unwrap_state(found[0]), found[1], False
+
+    def _write_beat(self, node: str, value: bytes) -> None:
+        with self.store.lock:
+            self.store.check_up()
+            self.store.put(f"{self._prefix}hb/{node}", value)
+
+    def leave(self, node: str) -> None:
+        self._write_beat(node, LEFT)
+
+    def read_beats(self, nodes: Iterable[str]) -> dict[str, bytes | None]:
+        with self.store.lock:
+            self.store.check_up()
+            return {n: (self.store.keys.get(f"{self._prefix}hb/{n}") or (None, 0))[0]
+                    for n in nodes}
+
+    def remove_run(self) -> None:
+        with self.store.lock:
+            self.store.check_up()
+            for key in [k for k in self.store.keys if k.startswith(self._prefix)]:
+                del self.store.keys[key]
+            for key in [k for k in self.store.round_stores if k.startswith(self._prefix)]:
+                del self.store.round_stores[key]
+
+    def round_store(self, generation: str, round_: int) -> Store:
+        with self.store.lock:
+            self.store.check_up()
+            key = f"{self._prefix}store/{generation}/{round_}"
+            if key not in self.store.round_stores:
+                store = HashStore()
+                store.set_timeout(timedelta(seconds=30))
+                self.store.round_stores[key] = store
+            return self.store.round_stores[key]
+
+    def drop_round_stores(self, generation: str, keep_from_round: int) -> None:
+        with self.store.lock:
+            self.store.check_up()
+            for key in list(self.store.round_stores):
+                if not key.startswith(f"{self._prefix}store/"):
+                    continue
+                gen, round_text = key[len(f"{self._prefix}store/"):].split("/")
+                if gen != generation or int(round_text) < keep_from_round:
+                    del self.store.round_stores[key]
+
+    def list_runs(self) -> list[str]:
+        with self.store.lock:
+            self.store.check_up()
+            prefix = "/".join(self._prefix.rstrip("/").split("/")[:-1]) + "/"
+            return sorted({k[len(prefix):].split("/", 1)[0] for k in self.store.keys
+                           if k.startswith(prefix)})
+
+    def clone(self) -> MemoryBackend:
+        return MemoryBackend(self.store, self._prefix, transient=self._transient)

@@ -1,0 +1,322 @@
+"""The handler and the keeper, in-process, against the in-memory backend and simulated time.
+
+Every branch of the orchestration that the torchrun tests reach only after minutes of
+real agents runs here in milliseconds and deterministically: other nodes are played by
+writing their state and heartbeats into the store, time passes only when the handler
+sleeps or a test advances it, and the keeper ticks when the test says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from torch.distributed import HashStore
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
+
+from elastic_ext.control import CONTROL_DIR_ENV, AgentControl, report_peer_failure
+from elastic_ext.jsonlines import read_json_lines
+from elastic_ext.rendezvous.errors import RestartBudgetExhaustedError, StoreUnavailableError
+from elastic_ext.rendezvous.handler import EtcdExtRendezvousHandler
+from elastic_ext.rendezvous.keeper import Keeper
+from elastic_ext.rendezvous.state import NodeInfo, Phase, Reason, RunState, Status
+from tests.support.memory_backend import MemoryBackend, MemoryStore
+from tests.support.stores import settings_for
+
+ME = "me"
+
+
+class FakeClock:
+    """Time that moves only when someone sleeps or the test advances it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.on_sleep: list[Callable[[], None]] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        for hook in list(self.on_sleep):
+            hook()
+
+
+@dataclasses.dataclass
+class Lab:
+    """One agent under test, the store it shares with simulated peers, and its clock."""
+
+    store: MemoryStore
+    backend: MemoryBackend
+    peer: MemoryBackend  # the connection simulated peers write through
+    clock: FakeClock
+    handler: EtcdExtRendezvousHandler
+    events_file: Path
+    control: AgentControl
+
+    @property
+    def keeper(self) -> Keeper:
+        return self.handler.keeper
+
+    def events(self, kind: str | None = None) -> list[dict[str, object]]:
+        return [e for e in read_json_lines(self.events_file) if kind is None or e["event"] == kind]
+
+    def state(self) -> RunState:
+        current = self.peer.get_state()
+        assert current is not None
+        return RunState.from_bytes(current[0])
+
+    def put_state(self, state: RunState) -> None:
+        current = self.peer.get_state()
+        result = self.peer.set_state(state.to_bytes(), current[1] if current else None)
+        assert result is not None and result[2]
+
+    def advance(self, seconds: float, beating: tuple[str, ...] = ()) -> None:
+        """Let ``seconds`` pass in keeper ticks of half a second, ``beating`` peers alive."""
+        for _ in range(round(seconds / 0.5)):
+            for peer in beating:
+                self.peer.beat(peer)
+            self.clock.now += 0.5
+            self.keeper.tick()
+
+
+@pytest.fixture
+def make_lab(tmp_path: Path) -> Iterator[Callable[..., Lab]]:
+    labs: list[Lab] = []
+
+    def make(nnodes: tuple[int, int] = (1, 1), transient: bool = True, **conf: str) -> Lab:
+        conf.setdefault("join_timeout", "30")
+        settings = settings_for("127.0.0.1:2379", "run1", nnodes, **conf)
+        store = MemoryStore()
+        clock = FakeClock()
+        control = AgentControl(tmp_path / f"control-{len(labs)}")
+        control.path.mkdir()
+        events_file = tmp_path / f"events-{len(labs)}.jsonl"
+        handler = EtcdExtRendezvousHandler(
+            settings, MemoryBackend(store, transient=transient), backend_name="etcd-ext",
+            events_file=events_file, node_id=ME, control=control, clock=clock,
+            keeper_thread=False)
+        lab = Lab(store, MemoryBackend(store), MemoryBackend(store), clock, handler, events_file,
+                  control)
+        labs.append(lab)
+        return lab
+    yield make
+    for lab in labs:
+        lab.handler.keeper.stop()
+
+
+def closed_round(nodes: tuple[str, ...], round_: int = 1, generation: str = "gen0",
+                 restarts: int = 0, max_restarts: int | None = 3) -> RunState:
+    return RunState(generation=generation, round=round_, phase=Phase.CLOSED,
+                    members={n: NodeInfo("127.0.0.1", 30000 + i) for i, n in enumerate(nodes)},
+                    order=nodes, restarts=restarts, max_restarts=max_restarts)
+
+
+def join_with_peer(lab: Lab, peer: str = "peer") -> None:
+    """``me`` joins round 1 together with ``peer`` (a simulated node at rank 0)."""
+    lab.peer.beat(peer)
+    lab.put_state(dataclasses.replace(
+        closed_round((peer,)), phase=Phase.OPEN, order=()))
+    info = lab.handler.next_rendezvous()
+    assert (info.rank, info.world_size) == (1, 2)
+
+
+# -- rounds ------------------------------------------------------------------------------
+def test_a_lone_node_starts_a_generation_and_joins_its_first_round(make_lab) -> None:
+    lab = make_lab()
+    info = lab.handler.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1) and isinstance(info.store, HashStore)
+    assert lab.handler.get_backend() == "etcd-ext" and lab.handler.num_nodes_waiting() == 0
+    state = lab.state()
+    assert (state.round, state.phase, state.order) == (1, Phase.CLOSED, (ME,))
+    assert [e["event"] for e in lab.events()] == ["started", "state", "state", "joined"]
+    joined = lab.events("joined")[0]
+    assert (joined["round"], joined["rank"], joined["world_size"]) == (1, 0, 1)
+    assert joined["master_port"] == state.members[ME].port
+
+
+def test_two_nodes_close_the_round_at_max_and_the_first_is_rank_0(make_lab) -> None:
+    lab = make_lab(nnodes=(2, 2))
+    join_with_peer(lab)
+    assert lab.state().order == ("peer", ME)
+
+
+def test_below_the_minimum_the_node_times_out_with_a_message_naming_the_fix(make_lab) -> None:
+    lab = make_lab(nnodes=(2, 3), join_timeout="5")
+    with pytest.raises(RendezvousTimeoutError, match="1 node\\(s\\) joined, --nnodes needs at "
+                                                      "least 2.*raise --rdzv-conf join_timeout"):
+        lab.handler.next_rendezvous()
+    assert 5.0 <= lab.clock.now - 1000.0 < 5.2  # the deadline, in simulated time
+
+
+# -- store outages -----------------------------------------------------------------------
+def test_an_etcd_outage_during_a_rendezvous_is_waited_out(make_lab) -> None:
+    lab = make_lab()
+    lab.handler.next_rendezvous()
+    lab.store.down = True
+    outage_ends = lab.clock.now + 4.0
+
+    def come_back() -> None:
+        if lab.clock.now >= outage_ends:
+            lab.store.down = False
+    lab.clock.on_sleep.append(come_back)
+    info = lab.handler.next_rendezvous()  # a restart while the store is down
+    assert info.world_size == 1 and lab.state().round == 2
+    assert lab.clock.now >= outage_ends
+
+
+def test_an_outage_longer_than_the_join_timeout_fails_the_rendezvous(make_lab) -> None:
+    lab = make_lab(join_timeout="5")
+    lab.handler.next_rendezvous()
+    lab.store.down = True
+    with pytest.raises(StoreUnavailableError):
+        lab.handler.next_rendezvous()
+    assert lab.clock.now - 1000.0 >= 5.0
+
+
+def test_losing_the_embedded_store_ends_the_rendezvous_at_once(make_lab) -> None:
+    lab = make_lab(transient=False)
+    lab.handler.next_rendezvous()
+    lab.store.down = True
+    started = lab.clock.now
+    with pytest.raises(StoreUnavailableError, match="down"):
+        lab.handler.next_rendezvous()
+    assert lab.clock.now == started
+
+
+# -- the keeper ----------------------------------------------------------------------------
+def test_a_peer_whose_heartbeat_stops_is_dead_after_the_timeout_and_costs_nothing(
+        make_lab) -> None:
+    lab = make_lab(nnodes=(1, 2))
+    join_with_peer(lab)
+    lab.advance(2.5, beating=("peer",))
+    assert lab.handler.num_nodes_waiting() == 0
+    lab.advance(3.0)  # the peer stops beating
+    assert lab.handler.num_nodes_waiting() == 1
+    assert lab.keeper.pressure.reason is Reason.MEMBERSHIP
+    assert lab.events("node_dead")[0]["peer"] == "peer"
+    info = lab.handler.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    assert lab.state().restarts == 0  # a death is free
+    assert lab.events("restart")[0]["why"] == "dead or hung: peer"
+
+
+def test_a_blind_observer_judges_nobody_for_the_time_it_could_not_see(make_lab) -> None:
+    lab = make_lab(nnodes=(1, 2))
+    join_with_peer(lab)
+    lab.advance(1.0, beating=("peer",))
+    lab.store.down = True
+    lab.advance(10.0)  # the store is down: nobody can beat, nobody is judged
+    lab.store.down = False
+    lab.advance(2.5)  # the peer has not beaten yet, but only 2.5 s were observed
+    assert lab.handler.num_nodes_waiting() == 0 and not lab.events("node_dead")
+    lab.advance(1.0)
+    assert lab.handler.num_nodes_waiting() == 1
+
+
+def test_a_workers_fault_report_makes_the_agent_leave_the_round(
+        make_lab, monkeypatch: pytest.MonkeyPatch) -> None:
+    lab = make_lab(nnodes=(1, 2))
+    join_with_peer(lab)
+    monkeypatch.setenv(CONTROL_DIR_ENV, str(lab.control.path))
+    assert report_peer_failure("rank 1: RuntimeError: Connection reset by peer")
+    lab.advance(0.5, beating=("peer",))
+    assert lab.handler.num_nodes_waiting() == 1
+    assert lab.keeper.pressure.why == "a worker reported a peer fault"
+
+
+def test_a_fault_report_while_the_store_is_down_still_releases_the_workers(
+        make_lab, monkeypatch: pytest.MonkeyPatch) -> None:
+    lab = make_lab(nnodes=(1, 2))
+    join_with_peer(lab)
+    lab.store.down = True
+    lab.advance(1.0)
+    assert lab.handler.num_nodes_waiting() == 0
+    monkeypatch.setenv(CONTROL_DIR_ENV, str(lab.control.path))
+    assert report_peer_failure("rank 1: RuntimeError: Connection reset by peer")
+    lab.advance(0.5)
+    assert lab.handler.num_nodes_waiting() == 1
+    assert "while the store is unreachable" in lab.keeper.pressure.why
+
+
+def test_a_newer_round_makes_a_running_agent_restart_and_join_it(make_lab) -> None:
+    lab = make_lab(nnodes=(1, 2))
+    lab.handler.next_rendezvous()
+    lab.peer.beat("peer")
+    lab.put_state(dataclasses.replace(lab.state(), round=2, phase=Phase.OPEN, order=(),
+                                      members={"peer": NodeInfo("127.0.0.1", 30001)},
+                                      previous=(ME,)))
+    lab.advance(0.5, beating=("peer",))
+    assert lab.handler.num_nodes_waiting() == 1
+    assert lab.keeper.pressure.why == "round 2 (open) replaced round 1"
+    info = lab.handler.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 2)  # the old member keeps its rank
+    assert lab.state().round == 2 and lab.state().restarts == 0
+
+
+def test_a_node_waiting_to_join_makes_the_agents_restart_when_there_is_room(make_lab) -> None:
+    lab = make_lab(nnodes=(1, 2))
+    lab.handler.next_rendezvous()
+    lab.peer.beat("late")
+    lab.put_state(dataclasses.replace(lab.state(),
+                                      waiting={"late": NodeInfo("127.0.0.1", 30002)}))
+    lab.advance(0.5, beating=("late",))
+    assert lab.handler.num_nodes_waiting() == 1
+    assert lab.keeper.pressure.why == "waiting to join: late"
+
+
+# -- the restart budget and closing --------------------------------------------------------
+def test_a_spent_budget_stops_the_agent_with_a_message(make_lab) -> None:
+    lab = make_lab(nnodes=(1, 2))
+    lab.handler.next_rendezvous()
+    note = "restart budget spent: 4 worker-failure restarts > --max-restarts=3"
+    lab.put_state(dataclasses.replace(lab.state(), status=Status.BUDGET_SPENT, note=note))
+    lab.advance(0.5)
+    assert lab.handler.num_nodes_waiting() == 1
+    with pytest.raises(RestartBudgetExhaustedError, match="every agent stops. Fix the failing"):
+        lab.handler.next_rendezvous()
+    assert lab.events("budget_spent")[0]["note"] == note
+
+
+def test_a_worker_failure_with_unchanged_membership_is_charged(make_lab) -> None:
+    lab = make_lab()
+    lab.handler.next_rendezvous()
+    lab.handler.next_rendezvous()  # the agent restarts its failed workers: no keeper reason
+    assert lab.state().restarts == 1
+    assert "worker failure, restart 1 charged" in lab.state().note
+
+
+def test_an_agent_that_gave_up_marks_the_budget_spent_for_everyone(make_lab) -> None:
+    lab = make_lab(nnodes=(1, 2), max_restarts="2")
+    join_with_peer(lab)
+    assert lab.handler.shutdown() and lab.state().status is Status.ACTIVE  # a clean exit
+    lab = make_lab(nnodes=(1, 2), max_restarts="2")
+    join_with_peer(lab)
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file="/nonexistent")
+    try:
+        raise ChildFailedError("trainer", {0: failure})
+    except ChildFailedError:  # torch's launch_agent calls shutdown() in its finally
+        assert lab.handler.shutdown()
+    state = lab.state()
+    assert state.status is Status.BUDGET_SPENT and "--max-restarts=2" in state.note
+    assert lab.events("budget_spent") and lab.events("left")
+
+
+def test_a_clean_shutdown_of_the_last_node_removes_the_run(make_lab) -> None:
+    lab = make_lab()
+    lab.handler.next_rendezvous()
+    assert lab.handler.shutdown()
+    assert lab.peer.get_state() is None and lab.peer.read_beats([ME]) == {ME: None}
+
+
+def test_a_closed_run_refuses_new_rounds(make_lab) -> None:
+    lab = make_lab()
+    lab.handler.next_rendezvous()
+    assert not lab.handler.is_closed()
+    lab.handler.set_closed()
+    assert lab.handler.is_closed()
+    with pytest.raises(RendezvousClosedError, match="run1 was closed"):
+        lab.handler.next_rendezvous()

@@ -1,0 +1,65 @@
+"""The torch internals etcd-ext relies on (``elastic_ext.torch_compat``), checked against the
+installed torch: an upgrade that removes or changes one fails here, naming it."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import socket
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from elastic_ext import torch_compat
+
+
+def _resolve(dotted: str) -> object:
+    module_name, _, attr = dotted.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        pytest.fail(f"torch internal {dotted} is gone ({exc}); update elastic_ext/torch_compat.py")
+
+
+def test_launch_agent_shuts_the_handler_down_in_finally_after_a_child_failure() -> None:
+    source = inspect.getsource(_resolve(torch_compat.LAUNCH_AGENT))  # type: ignore[arg-type]
+    raises = source.find("raise ChildFailedError(")
+    finally_ = source.find("finally:")
+    shutdown = source.find("rdzv_handler.shutdown()", finally_)
+    assert -1 < raises < finally_ < shutdown, (
+        f"{torch_compat.LAUNCH_AGENT} no longer raises ChildFailedError and then calls "
+        "rdzv_handler.shutdown() in its finally: agent_gave_up() cannot see the failure")
+
+
+def test_agent_gave_up_sees_a_child_failure_in_flight_and_nothing_else() -> None:
+    assert not torch_compat.agent_gave_up()
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file="/nonexistent")
+    try:
+        raise ChildFailedError("trainer", {0: failure})
+    except ChildFailedError:
+        assert torch_compat.agent_gave_up()
+    try:
+        raise RuntimeError("something else")
+    except RuntimeError:
+        assert not torch_compat.agent_gave_up()
+
+
+def test_torchruns_parser_still_reads_max_restarts(monkeypatch: pytest.MonkeyPatch) -> None:
+    _resolve(torch_compat.ARGS_PARSER)
+    argv = ["/usr/bin/torchrun", "--nnodes=1:2", "--max-restarts=5", "train.py"]
+    assert torch_compat.torchrun_max_restarts(argv) == 5, (
+        f"{torch_compat.ARGS_PARSER} no longer parses --max-restarts")
+    assert torch_compat.torchrun_max_restarts(["/x/torch/distributed/run.py", "t.py"]) == 0
+    monkeypatch.setenv("PET_MAX_RESTARTS", "7")
+    assert torch_compat.torchrun_max_restarts(["torchrun", "t.py"]) == 7
+    assert torch_compat.torchrun_max_restarts(["python", "-m", "pytest"]) is None
+    assert torch_compat.torchrun_max_restarts(["torchrun", "--no-such-flag"]) is None
+
+
+def test_the_machine_hostname_check_still_recognises_this_machine() -> None:
+    matches = _resolve(torch_compat.MATCHES_HOSTNAME)
+    assert callable(matches) and re.search(r"\bhost\b", str(inspect.signature(matches)))
+    assert torch_compat.matches_machine_hostname("127.0.0.1")
+    assert torch_compat.matches_machine_hostname(socket.gethostname())
+    assert not torch_compat.matches_machine_hostname("192.0.2.1")  # TEST-NET-1, never ours
