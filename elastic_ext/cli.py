@@ -1,4 +1,4 @@
-"""``elastic-ext``: operator commands (status, list) and the chaos harness (chaos)."""
+"""``elastic-ext``: operator commands (status, list, report) and the chaos harness (chaos)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import sys
 SUBCOMMANDS = {
     "status": ("elastic_ext.ops", "show a run's round, members, restarts and newest snapshot"),
     "list": ("elastic_ext.ops", "list the run ids under the key prefix"),
+    "report": ("elastic_ext.report",
+               "summarize a run from its metrics file: rounds, restores, steps trained twice, "
+               "time not training; draw its timeline"),
     "chaos": ("elastic_ext.chaos.cli",
               "run a local job under a fault scenario and check invariants"),
 }

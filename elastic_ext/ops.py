@@ -1,7 +1,10 @@
 """``elastic-ext status`` and ``elastic-ext list``: what a run is doing, from its store.
 
 Read-only: these commands never write to the store, and on the embedded store they
-connect as clients (they never host it).
+connect as clients (they never host it). ``status --watch`` refreshes until interrupted:
+in place on a terminal, one block (or with ``--json`` one JSON document per line) per
+refresh otherwise, and it lists the last events it saw, so an operator can leave it open
+through faults and store outages.
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
         parser.add_argument("--run-id", required=True, help="the job's --rdzv-id")
         parser.add_argument("--snapshot-dir", type=Path, default=None,
                             help="also report the newest valid snapshot there")
+        parser.add_argument("--watch", action="store_true",
+                            help="refresh until interrupted (Ctrl-C)")
+        parser.add_argument("--interval", type=float, default=2.0,
+                            help="seconds between refreshes with --watch (default 2)")
+        parser.add_argument("--count", type=int, default=None,
+                            help="with --watch: stop after this many refreshes")
 
 
 def parse_conf(text: str) -> dict[str, str]:
@@ -82,12 +91,20 @@ def describe(state: RunState | None, beats: Mapping[str, bytes | None], now: flo
 
 
 def render(report: dict[str, Any], run_id: str, where: str) -> str:
+    """The report as text; a watch's report adds its time and the last events it saw."""
+    stamp = ""
+    if "time" in report:
+        stamp = time.strftime(" (%H:%M:%S)", time.localtime(report["time"]))
+    if report.get("error"):
+        head = f"run {run_id} at {where}{stamp}: the store did not answer: {report['error']}"
+        return head + "\n" + _render_recent(report)
     if not report["exists"]:
-        return f"run {run_id}: no state at {where} (not started, or finished and removed)\n"
+        return (f"run {run_id}: no state at {where}{stamp} (not started, or finished and "
+                "removed)\n") + _render_recent(report)
     budget = ("unlimited" if report["max_restarts"] is None else
               f"{report['restarts_used']} of {report['max_restarts']} used, "
               f"{report['restarts_left']} left")
-    lines = [f"run {run_id} at {where}",
+    lines = [f"run {run_id} at {where}{stamp}",
              f"  round {report['round']} ({report['phase']}), status {report['status']}, "
              f"generation {report['generation']}",
              f"  restarts: {budget}",
@@ -105,7 +122,35 @@ def render(report: dict[str, Any], run_id: str, where: str) -> str:
         lines.append(f"  {rank:<5} {n['node']:<33} {str(n['address']):<22} {age(n)}")
     for n in report["waiting"]:
         lines.append(f"  wait  {n['node']:<33} {str(n['address']):<22} {age(n)}")
+    return "\n".join(lines) + "\n" + _render_recent(report)
+
+
+def _render_recent(report: dict[str, Any]) -> str:
+    recent = report.get("recent_events") or []
+    if not recent:
+        return ""
+    lines = ["  events seen while watching:"]
+    lines += [time.strftime("    %H:%M:%S ", time.localtime(e["time"])) + e["event"]
+              for e in recent]
     return "\n".join(lines) + "\n"
+
+
+RECENT_EVENTS = 5
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
+
+
+def read_report(backend: StoreBackend, snapshot_dir: Path | None) -> dict[str, Any]:
+    """One look at the run: its state, everyone's heartbeat, the newest snapshot."""
+    current = backend.get_state()
+    state = RunState.from_bytes(current[0]) if current else None
+    beats = backend.read_beats(sorted(state.known_nodes())) if state else {}
+    snapshot_step = None
+    if snapshot_dir is not None:
+        from elastic_ext.snapshot import newest_valid
+
+        manifest = newest_valid(snapshot_dir)
+        snapshot_step = manifest.step if manifest else None
+    return describe(state, beats, time.time(), snapshot_step)
 
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
@@ -113,25 +158,54 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         conf = parse_conf(args.rdzv_conf)
         if args.command == "list":
             return _list(args.endpoint, conf, args.json, out)
+        if args.watch and (args.interval <= 0 or (args.count is not None and args.count < 1)):
+            raise ConfigError("--interval must be > 0 and --count >= 1")
         settings, backend = connect(args.endpoint, args.run_id, conf)
-        current = backend.get_state()
-        state = RunState.from_bytes(current[0]) if current else None
-        beats = backend.read_beats(sorted(state.known_nodes())) if state else {}
+        if args.watch:
+            return watch(backend, args, settings.describe_endpoints(), out)
+        report = read_report(backend, args.snapshot_dir)
     except Exception as exc:  # an operator command: one line, no traceback
         print(f"elastic-ext {args.command}: {exc}", file=sys.stderr)
         return 2
-    snapshot_step = None
-    if args.snapshot_dir is not None:
-        from elastic_ext.snapshot import newest_valid
-
-        manifest = newest_valid(args.snapshot_dir)
-        snapshot_step = manifest.step if manifest else None
-    report = describe(state, beats, time.time(), snapshot_step)
     if args.json:
         out.write(json.dumps(report, indent=2) + "\n")
     else:
         out.write(render(report, args.run_id, settings.describe_endpoints()))
     return 0
+
+
+def watch(backend: StoreBackend, args: argparse.Namespace, where: str, out: TextIO) -> int:
+    """Refresh every ``args.interval`` seconds until interrupted (or ``args.count`` times).
+
+    A refresh that cannot reach the store says so and the watch goes on: the store may
+    come back, and an operator watching through an outage wants to see that it did.
+    """
+    recent: list[tuple[float, str]] = []
+    in_place = out.isatty() and not args.json
+    refreshes = 0
+    try:
+        while True:
+            try:
+                report = read_report(backend, args.snapshot_dir)
+            except Exception as exc:
+                report = {"exists": None, "error": str(exc)}
+            report["time"] = round(time.time(), 3)
+            note = report.get("last_event")
+            if note and (not recent or recent[-1][1] != note):
+                recent = [*recent, (report["time"], note)][-RECENT_EVENTS:]
+            report["recent_events"] = [{"time": t, "event": n} for t, n in recent]
+            if args.json:
+                out.write(json.dumps(report) + "\n")
+            else:
+                text = render(report, args.run_id, where)
+                out.write(CLEAR_SCREEN + text if in_place else text + "\n")
+            out.flush()
+            refreshes += 1
+            if args.count is not None and refreshes >= args.count:
+                return 0
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
 
 
 def _list(endpoint: str, conf: Mapping[str, str], as_json: bool, out: TextIO) -> int:

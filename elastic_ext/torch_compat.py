@@ -11,14 +11,22 @@ torch upgrade that removes or changes one fails loudly, naming it.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Sequence
+from types import TracebackType
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 LAUNCH_AGENT = "torch.distributed.launcher.api.launch_agent"
 ARGS_PARSER = "torch.distributed.run.get_args_parser"
 MATCHES_HOSTNAME = "torch.distributed.elastic.rendezvous.utils._matches_machine_hostname"
+SIGNAL_EXCEPTION = "torch.distributed.elastic.multiprocessing.api.SignalException"
+
+STOPPED_LINE = ("torchrun stopped by {signal}: its workers got it too (the bundled trainer, and "
+                "loops using elastic_ext.preemption, save a snapshot and exit 0); torchrun "
+                "itself exits 1 after a signal, which a plugin cannot change")
+_quiet_exit_installed = False
 
 
 def torchrun_max_restarts(argv: Sequence[str] | None = None) -> int | None:
@@ -58,3 +66,29 @@ def matches_machine_hostname(host: str) -> bool:
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
     return bool(_matches_machine_hostname(host))
+
+
+def quiet_signal_exit() -> None:
+    """Print one line instead of a traceback when torchrun is stopped by a signal.
+
+    torch's agent turns SIGINT and SIGTERM into ``SIGNAL_EXCEPTION``, which
+    ``LAUNCH_AGENT`` re-raises out of torchrun's ``main``; Python then prints a stack
+    trace and exits 1. The handler lives in the agent's process, so it can install an
+    ``excepthook`` that says what happened in one line; every other exception keeps
+    the hook it had. The exit status stays 1: the interpreter sets it, not the hook.
+    """
+    global _quiet_exit_installed
+    if _quiet_exit_installed:
+        return
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if isinstance(exc, SignalException):
+            sys.stderr.write(STOPPED_LINE.format(signal=signal.Signals(exc.sigval).name) + "\n")
+            return
+        previous(kind, exc, tb)
+
+    sys.excepthook = hook
+    _quiet_exit_installed = True

@@ -25,18 +25,17 @@ from elastic_ext.chaos.invariants import (
     NodeOutcome,
     Observation,
     check,
-    durable_snapshots,
     listening_ports,
-    split_segments,
 )
 from elastic_ext.chaos.netns import LabPlan, exec_prefix
 from elastic_ext.chaos.reference import cache_key, trainer_args
-from elastic_ext.chaos.report import step_rate, summary
+from elastic_ext.chaos.report import summary
 from elastic_ext.chaos.runner import MetricsTail, RunResult, trigger_met
 from elastic_ext.chaos.scenario import Action, ScenarioError, Trigger, parse
 from elastic_ext.local.job import Node
 from elastic_ext.local.processes import Proc
 from elastic_ext.rendezvous.events import EventKind, EventLog
+from elastic_ext.runlog import durable_snapshots, split_segments, step_rate
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -194,6 +194,7 @@ def test_a_peer_whose_heartbeat_stops_is_dead_after_the_timeout_and_costs_nothin
     join_with_peer(lab)
     lab.advance(2.5, beating=("peer",))
     assert lab.handler.num_nodes_waiting() == 0
+    assert set(lab.keeper.peer_silence()) == {"peer"}
     lab.advance(3.0)  # the peer stops beating
     assert lab.handler.num_nodes_waiting() == 1
     assert lab.keeper.pressure.reason is Reason.MEMBERSHIP
@@ -202,6 +203,8 @@ def test_a_peer_whose_heartbeat_stops_is_dead_after_the_timeout_and_costs_nothin
     assert (info.rank, info.world_size) == (0, 1)
     assert lab.state().restarts == 0  # a death is free
     assert lab.events("restart")[0]["why"] == "dead or hung: peer"
+    lab.advance(0.5)
+    assert lab.keeper.peer_silence() == {}  # the metrics show the current round's peers
 
 
 def test_a_blind_observer_judges_nobody_for_the_time_it_could_not_see(make_lab) -> None:

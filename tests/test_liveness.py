@@ -63,3 +63,14 @@ def test_a_long_gap_between_our_own_reads_restarts_every_timer():
     clock.now += 60  # this agent was frozen
     live.observe({"n": b"1"})
     assert not live.is_dead("n")
+
+
+def test_a_heartbeat_key_that_vanishes_is_not_a_sign_of_life():
+    clock = Clock()
+    live = watch(clock, {"n": lambda i: b"1:0"}, steps=8)  # stuck for 4 s: dead
+    assert live.is_dead("n")
+    live.observe({"n": None})  # its etcd lease expired: the key is gone
+    assert live.is_dead("n")
+    clock.now += 0.5
+    live.observe({"n": b"2:9"})  # a new value is: the node (or its lease) is back
+    assert not live.is_dead("n")

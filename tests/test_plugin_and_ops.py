@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvou
 
 from elastic_ext import ops
 from elastic_ext.jsonlines import read_json_lines
+from elastic_ext.local.processes import wait_until
 from elastic_ext.net import free_port
 from elastic_ext.rendezvous.errors import StoreUnavailableError
 from elastic_ext.rendezvous.etcd_backend import EtcdBackend
@@ -102,3 +104,64 @@ def test_status_and_list_on_etcd(etcd) -> None:
     assert report["members"] == [{"node": "n1", "address": "10.0.0.1:29500",
                                   "heartbeat_age_s": report["members"][0]["heartbeat_age_s"],
                                   "left": False, "rank": None}]
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def watch_in_thread(argv: list[str], out: io.StringIO) -> threading.Thread:
+    parser = argparse.ArgumentParser()
+    ops.add_arguments(parser, "status")
+    args = parser.parse_args(argv)
+    args.command = "status"
+    thread = threading.Thread(target=ops.run, args=(args, out), daemon=True)
+    thread.start()
+    return thread
+
+
+def put_state(backend: EtcdBackend, state: RunState) -> None:
+    current = backend.get_state()
+    assert backend.set_state(state.to_bytes(), current[1] if current else None) is not None
+
+
+def test_status_watch_streams_json_and_lists_the_events_it_saw_on_etcd(etcd) -> None:
+    endpoint = etcd.members[0].endpoint
+    backend = EtcdBackend(settings_for(endpoint, "job-w"))
+    state = RunState("gen", 1, Phase.CLOSED, {"n1": NodeInfo("10.0.0.1", 29500)},
+                     order=("n1",), note="round 1 closed with 1 nodes (start)")
+    put_state(backend, state)
+    out = io.StringIO()
+    thread = watch_in_thread(["--endpoint", endpoint, "--run-id", "job-w", "--watch", "--json",
+                              "--interval", "0.1", "--count", "30"], out)
+    wait_until(lambda: out.getvalue().count("\n") >= 1, timeout=10, what="a first refresh")
+    put_state(backend, RunState("gen", 2, Phase.OPEN, {"n1": NodeInfo("10.0.0.1", 29500)},
+                                note="round 2 opened by n1 (membership)"))
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    reports = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert len(reports) == 30 and reports[0]["round"] == 1 and reports[-1]["round"] == 2
+    assert [e["event"] for e in reports[-1]["recent_events"]] == [
+        "round 1 closed with 1 nodes (start)", "round 2 opened by n1 (membership)"]
+    assert reports[-1]["time"] > reports[0]["time"]
+
+
+def test_status_watch_redraws_in_place_on_a_terminal_and_survives_an_outage(etcd) -> None:
+    member = etcd.members[0]
+    backend = EtcdBackend(settings_for(member.endpoint, "job-t"))
+    put_state(backend, RunState("gen", 1, Phase.CLOSED, {"n1": NodeInfo("10.0.0.1", 29500)},
+                                order=("n1",), note="round 1 closed with 1 nodes (start)"))
+    out = Terminal()
+    thread = watch_in_thread(["--endpoint", member.endpoint, "--run-id", "job-t", "--watch",
+                              "--interval", "0.1", "--count", "12", "--rdzv-conf",
+                              "connect_timeout=0.3,request_timeout=0.1"], out)
+    wait_until(lambda: out.getvalue().count(ops.CLEAR_SCREEN) >= 2, timeout=10,
+               what="two refreshes")
+    etcd.stop_member(member)
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    frames = out.getvalue().split(ops.CLEAR_SCREEN)[1:]
+    assert len(frames) == 12 and "round 1 (closed), status active" in frames[0]
+    assert "the store did not answer" in frames[-1]
+    assert "round 1 closed with 1 nodes (start)" in frames[-1]  # still listed while it is down

@@ -7,6 +7,7 @@ import importlib
 import inspect
 import re
 import socket
+from typing import Any
 
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -14,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from elastic_ext import torch_compat
 
 
-def _resolve(dotted: str) -> object:
+def _resolve(dotted: str) -> Any:
     module_name, _, attr = dotted.rpartition(".")
     try:
         return getattr(importlib.import_module(module_name), attr)
@@ -23,7 +24,7 @@ def _resolve(dotted: str) -> object:
 
 
 def test_launch_agent_shuts_the_handler_down_in_finally_after_a_child_failure() -> None:
-    source = inspect.getsource(_resolve(torch_compat.LAUNCH_AGENT))  # type: ignore[arg-type]
+    source = inspect.getsource(_resolve(torch_compat.LAUNCH_AGENT))
     raises = source.find("raise ChildFailedError(")
     finally_ = source.find("finally:")
     shutdown = source.find("rdzv_handler.shutdown()", finally_)
@@ -63,3 +64,14 @@ def test_the_machine_hostname_check_still_recognises_this_machine() -> None:
     assert torch_compat.matches_machine_hostname("127.0.0.1")
     assert torch_compat.matches_machine_hostname(socket.gethostname())
     assert not torch_compat.matches_machine_hostname("192.0.2.1")  # TEST-NET-1, never ours
+
+
+def test_torchrun_still_stops_on_a_signal_by_raising_signal_exception() -> None:
+    signal_exception = _resolve(torch_compat.SIGNAL_EXCEPTION)
+    assert isinstance(signal_exception, type)
+    assert "sigval" in inspect.signature(signal_exception).parameters, (
+        f"{torch_compat.SIGNAL_EXCEPTION} no longer carries sigval")
+    source = inspect.getsource(_resolve(torch_compat.LAUNCH_AGENT))
+    assert re.search(r"except SignalException:[^\n]*\n(?:[^\n]*\n){0,8}?\s*raise\n", source), (
+        f"{torch_compat.LAUNCH_AGENT} no longer lets SignalException out of torchrun: "
+        "quiet_signal_exit() would never see it")

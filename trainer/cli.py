@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -51,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "after a peer failure, before exiting non-zero (default 60)")
     p.add_argument("--record-samples", type=Path, default=None,
                    help="test only: every rank appends the sample ids of every step here")
+    p.add_argument("--progress-every", type=float, default=10.0, metavar="SECONDS",
+                   help="global rank 0 prints a progress line to stdout every SECONDS, and at "
+                        "every worker generation's start and at the end; a live bar instead on "
+                        "a terminal with tqdm installed; 0 turns it off (default 10)")
     p.add_argument("--log-level", default=os.environ.get("TRAINER_LOG_LEVEL", "INFO"))
     return p
 
@@ -59,13 +64,16 @@ def parse_settings(argv: Sequence[str] | None = None) -> tuple[TrainSettings, st
     args = build_parser().parse_args(argv)
     if args.steps < 0 or args.snapshot_every < 0 or args.keep < 1:
         raise SystemExit("--steps and --snapshot-every must be >= 0, --keep >= 1")
+    if not args.progress_every >= 0 or math.isinf(args.progress_every):
+        raise SystemExit("--progress-every must be a finite number of seconds >= 0")
     settings = TrainSettings(
         steps=args.steps, global_batch_size=args.global_batch_size, snapshot_dir=args.snapshot_dir,
         snapshot_every=args.snapshot_every, keep=args.keep, seed=args.seed, metrics=args.metrics,
         step_delay=args.step_delay, model_size=args.model_size, dataset_size=args.dataset_size,
         lr=args.lr, warmup_steps=args.warmup_steps, collective_timeout=args.collective_timeout,
         stop_grace=args.stop_grace, preempt_grace=args.preempt_grace,
-        hold_timeout=args.hold_timeout, record_samples=args.record_samples)
+        hold_timeout=args.hold_timeout, record_samples=args.record_samples,
+        progress_every=args.progress_every)
     return settings, args.log_level
 
 

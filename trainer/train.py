@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -21,10 +22,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic_ext.preemption import GuardSettings, PreemptionGuard, exit_now
-from elastic_ext.snapshot import SnapshotError, SnapshotInfo, Snapshotter
+from elastic_ext.snapshot import Manifest, SnapshotError, SnapshotInfo, Snapshotter
+from elastic_ext.snapshot.layout import manifest_name
 from trainer.data import DataPosition, next_batch, shard
 from trainer.metrics import MetricsLog
 from trainer.model import MODEL_SIZES, SyntheticTask, build_model, params_sha256
+from trainer.progress import Progress, open_progress
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,7 @@ class TrainSettings:
     preempt_grace: float = 30.0
     hold_timeout: float = 60.0
     record_samples: Path | None = None
+    progress_every: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     return result
 
 
-def _report_snapshot(metrics: MetricsLog, step: int, future: Future[SnapshotInfo | None]) -> None:
+def _report_snapshot(metrics: MetricsLog, progress: Progress, step: int,
+                     future: Future[SnapshotInfo | None]) -> None:
     """Runs in the writer thread when a background snapshot is durable (or failed)."""
     try:
         info = future.result()
@@ -149,6 +154,7 @@ def _report_snapshot(metrics: MetricsLog, step: int, future: Future[SnapshotInfo
         logger.error("snapshot of step %d failed, training goes on: %s", step, exc)
         return
     if info is not None:
+        progress.snapshot_durable()
         metrics.emit("snapshot", step, blocking_s=info.blocking_s, write_s=info.write_s,
                      bytes=info.size)
 
@@ -180,8 +186,13 @@ class Trainer:
         self.recorder = (SampleRecorder(settings.record_samples, self.rank, self.world_size,
                                         f"{self.env.run_id}/{self.env.restart}")
                          if settings.record_samples is not None else None)
+        self.progress = open_progress(
+            rank=self.rank, every_s=settings.progress_every, total=settings.steps,
+            global_batch_size=settings.global_batch_size, world_size=self.world_size,
+            restarts=self.env.restart, snapshots_on=self.snapshots is not None, stream=sys.stdout)
         self.step = 0
         self.position = DataPosition()
+        self._restored_age_s: float | None = None
 
     def _state(self) -> dict[str, Any]:
         s = self.settings
@@ -208,7 +219,19 @@ class Trainer:
                            data["global_batch_size"], s.global_batch_size, data["offset"])
         self.step = restored.step
         self.position = DataPosition.from_state(data)
+        if self.progress.enabled:
+            self._restored_age_s = self._snapshot_age(restored.step)
         return restored.step
+
+    def _snapshot_age(self, step: int) -> float | None:
+        """Seconds since the restored snapshot became durable, from its manifest (for the
+        progress line; None if unreadable)."""
+        assert self.snapshots is not None
+        try:
+            text = (self.snapshots.directory / manifest_name(step)).read_text()
+            return max(0.0, time.time() - Manifest.from_json(text, step).created)
+        except (OSError, ValueError):
+            return None
 
     def run(self) -> int:
         s = self.settings
@@ -216,6 +239,7 @@ class Trainer:
         self.metrics.emit("start", self.step, resumed_from=resumed_from)
         logger.info("rank %d/%d pid %d starting at step %d (%s)", self.rank, self.world_size,
                     os.getpid(), self.step, "resumed" if resumed_from is not None else "fresh")
+        self.progress.start(self.step, resumed_from, self._restored_age_s)
         ddp = DistributedDataParallel(
             self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         while self.step < s.steps:
@@ -230,22 +254,27 @@ class Trainer:
                     time.sleep(s.step_delay)
                 agreed = self.guard.agree(loss_sum.reshape(1))
             except Exception as exc:
+                self.progress.close()
                 exit_now(self.guard.failure_exit_code(exc))  # re-raises what is not a peer's fault
             self.step += 1
             self.position = after
             assert agreed.values is not None
-            self.metrics.emit("step", self.step, loss=agreed.values[0].item() / s.global_batch_size)
+            loss = agreed.values[0].item() / s.global_batch_size
+            self.metrics.emit("step", self.step, loss=loss)
+            self.progress.step(self.step, loss)
             if agreed.stop:
                 self._preempted()
             if (self.snapshots is not None and s.snapshot_every > 0
                     and self.step % s.snapshot_every == 0 and self.step < s.steps):
                 future = self.snapshots.commit(self.step, self._state())
-                future.add_done_callback(partial(_report_snapshot, self.metrics, self.step))
+                future.add_done_callback(
+                    partial(_report_snapshot, self.metrics, self.progress, self.step))
         self.guard.begin_commit()
         if resumed_from != self.step:  # a restart of a finished run has nothing new to commit
             self._commit_now()
         digest = params_sha256(self.model)
         self.metrics.emit("done", self.step, params_sha256=digest)
+        self.progress.finish("done")
         logger.info("done at step %d, params sha256 %s", self.step, digest)
         self.close()
         return 0
@@ -261,6 +290,7 @@ class Trainer:
         except Exception as exc:
             exit_now(self.guard.failure_exit_code(exc))
         if info is not None:
+            self.progress.snapshot_durable()
             self.metrics.emit("snapshot", self.step, blocking_s=info.blocking_s,
                               write_s=info.write_s, bytes=info.size)
 
@@ -272,11 +302,13 @@ class Trainer:
         self._commit_now()
         self.metrics.emit("preempted", self.step,
                           signal=signal.Signals(received).name if received else None)
+        self.progress.finish("preempted")
         code = self.guard.preempted_exit_code()
         self.close(destroy=False)
         exit_now(code)
 
     def close(self, destroy: bool = True) -> None:
+        self.progress.close()
         if self.snapshots is not None:
             self.snapshots.close()
         if self.recorder is not None:

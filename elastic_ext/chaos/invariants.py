@@ -8,21 +8,20 @@ restarts the report draws. Keeping this pure lets every rule be tested on made-u
 event lists in milliseconds.
 
 The metrics file is split into *segments*, one per ``start`` event (one round of
-training). Between two segments is a *restart*: the new round resumes from a
-snapshot, so the steps of the old round after that snapshot are lost. That is
-allowed only when a crash-type fault (a killed worker or node, a frozen or
-partitioned node) was injected since the old round started; a preemption, a join or
-an etcd fault must lose nothing.
+training), by :mod:`elastic_ext.runlog`, the reading ``elastic-ext report`` shares.
+Between two segments is a *restart*: the new round resumes from a snapshot, so the
+steps of the old round after that snapshot are lost. That is allowed only when a
+crash-type fault (a killed worker or node, a frozen or partitioned node) was injected
+since the old round started; a preemption, a join or an etcd fault must lose nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import pairwise
-from typing import Any
 
-Event = Mapping[str, Any]
+from elastic_ext.runlog import Boundary, Event, Segment, durable_snapshots, split_segments
 
 LAST_STEP = "job reaches its last step"
 LOST_STEPS = "no committed step lost beyond the last snapshot"
@@ -78,45 +77,10 @@ class Violation:
 
 
 @dataclass(frozen=True)
-class Segment:
-    """One round of training: a ``start`` event and the events up to the next one."""
+class Restart(Boundary):
+    """A boundary between two rounds, judged: was a crash-type fault injected in the old one?"""
 
-    start_time: float
-    world_size: int
-    resumed_from: int | None
-    steps: tuple[int, ...]
-    step_times: tuple[float, ...]
-    end: str  # "done", "preempted" or "cut" (the round ended without saying why)
-    events: tuple[Event, ...] = field(default=(), repr=False, compare=False)
-
-    @property
-    def base(self) -> int:
-        return self.resumed_from or 0
-
-    @property
-    def last_step(self) -> int:
-        return self.steps[-1] if self.steps else self.base
-
-
-@dataclass(frozen=True)
-class Restart:
-    """The boundary between two segments: what was lost and how long training stood still."""
-
-    time: float                 # the new round's start event
-    recovered_at: float | None  # the new round's first step
-    stopped_at: float | None    # the old round's last step
-    world_before: int
-    world_after: int
-    last_step: int              # the old round's last committed step
-    resumed_from: int
-    lost: int
-    crash_allowed: bool
-
-    @property
-    def downtime(self) -> float | None:
-        if self.recovered_at is None or self.stopped_at is None:
-            return None
-        return self.recovered_at - self.stopped_at
+    crash_allowed: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,43 +102,6 @@ class Verdict:
 
 
 # ------------------------------------------------------------------------------ helpers
-def split_segments(events: Iterable[Event]) -> tuple[list[Segment], list[Event]]:
-    """The segments, and any events logged before the first ``start`` (there should be none)."""
-    segments: list[Segment] = []
-    stray: list[Event] = []
-    current: list[Event] = []
-
-    def close() -> None:
-        if not current:
-            return
-        start = current[0]
-        steps = [e for e in current if e.get("event") == "step"]
-        kinds = {e.get("event") for e in current}
-        end = "done" if "done" in kinds else "preempted" if "preempted" in kinds else "cut"
-        segments.append(Segment(float(start["time"]), int(start["world_size"]),
-                                start.get("resumed_from"), tuple(int(e["step"]) for e in steps),
-                                tuple(float(e["time"]) for e in steps), end, tuple(current)))
-
-    for event in events:
-        if event.get("event") == "start":
-            close()
-            current = [event]
-        elif current:
-            current.append(event)
-        else:
-            stray.append(event)
-    close()
-    return segments, stray
-
-
-def durable_snapshots(events: Iterable[Event],
-                      seen: Iterable[tuple[int, float]]) -> list[tuple[int, float]]:
-    """``(step, time)`` of every snapshot known to be durable: logged or seen on disk."""
-    found = {(int(e["step"]), float(e["time"])) for e in events if e.get("event") == "snapshot"}
-    found.update((int(step), float(when)) for step, when in seen)
-    return sorted(found, key=lambda item: item[1])
-
-
 def _newest_before(snapshots: Sequence[tuple[int, float]], when: float, at_most: int) -> int | None:
     steps = [step for step, t in snapshots if t <= when and step <= at_most]
     return max(steps) if steps else None
@@ -243,12 +170,10 @@ def check(obs: Observation) -> Verdict:
     restarts: list[Restart] = []
     for old, new in pairwise(segments):
         crash = [f for f in obs.faults if f.crash and old.start_time < f.time <= new.start_time]
-        last = old.last_step
-        resumed = new.base
+        restart = Restart.between(old, new, crash_allowed=bool(crash))
+        last, resumed = restart.last_step, restart.resumed_from
         newest = _newest_before(snapshots, new.start_time, last)
-        restarts.append(Restart(new.start_time, new.step_times[0] if new.step_times else None,
-                                old.step_times[-1] if old.step_times else None, old.world_size,
-                                new.world_size, last, resumed, max(0, last - resumed), bool(crash)))
+        restarts.append(restart)
         if resumed > last:
             violations.append(Violation(CONSISTENT,
                                         f"round started at {at(new.start_time)} resumed from step "

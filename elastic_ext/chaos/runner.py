@@ -33,13 +33,13 @@ from elastic_ext.chaos.invariants import (
     Verdict,
     check,
     listening_ports,
-    split_segments,
 )
 from elastic_ext.chaos.reference import ReferenceError, reference_sha, trainer_args
 from elastic_ext.chaos.scenario import Scenario, Trigger
 from elastic_ext.local.etcd import call_here
 from elastic_ext.local.job import JobSpec, LocalJob
 from elastic_ext.local.processes import Proc
+from elastic_ext.runlog import split_segments
 from elastic_ext.snapshot.layout import parse_name
 
 logger = logging.getLogger(__name__)

@@ -41,6 +41,12 @@ def unwrap_state(raw: bytes) -> bytes:
     return raw[len(STATE_MAGIC):]
 
 
+def heartbeat_value(counter: int) -> bytes:
+    """``counter:wall time``: the wall time is for operators (``elastic-ext status``), never
+    for liveness, which watches the counter."""
+    return f"{counter}:{time.time():.3f}".encode()
+
+
 def parse_beat(value: bytes | None) -> tuple[int, float] | None:
     """(counter, wall time) of a heartbeat value; None for a missing, left or odd value."""
     try:
@@ -59,8 +65,6 @@ class StoreBackend(ABC):
     :class:`~elastic_ext.rendezvous.errors.StoreAuthError` when the store refused the
     credentials or certificate (retrying will not help).
     """
-
-    _beats: int = 0
 
     @property
     @abstractmethod
@@ -100,18 +104,10 @@ class StoreBackend(ABC):
             CorruptStateError: the state key holds something etcd-ext did not write.
         """
 
-    def beat(self, node: str) -> None:
-        """Advance ``node``'s heartbeat counter.
-
-        The value is ``counter:wall time``; the wall time is for operators
-        (``elastic-ext status``), never for liveness, which watches the counter.
-        """
-        self._beats += 1
-        self._write_beat(node, f"{self._beats}:{time.time():.3f}".encode())
-
     @abstractmethod
-    def _write_beat(self, node: str, value: bytes) -> None:
-        """Store ``value`` as ``node``'s heartbeat; on etcd it expires with this agent."""
+    def beat(self, node: str) -> None:
+        """Advance ``node``'s heartbeat: store ``heartbeat_value`` of a counter that moves
+        at every call (on etcd the key expires with this agent)."""
 
     @abstractmethod
     def leave(self, node: str) -> None:

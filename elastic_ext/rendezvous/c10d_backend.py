@@ -17,7 +17,14 @@ from typing import Protocol, cast
 
 from torch.distributed import PrefixStore, Store, TCPStore
 
-from elastic_ext.rendezvous.backend import STATE_KEY, StoreBackend, Token, unwrap_state, wrap_state
+from elastic_ext.rendezvous.backend import (
+    STATE_KEY,
+    StoreBackend,
+    Token,
+    heartbeat_value,
+    unwrap_state,
+    wrap_state,
+)
 from elastic_ext.rendezvous.errors import ConfigError, StoreUnavailableError
 from elastic_ext.rendezvous.liveness import LEFT
 from elastic_ext.rendezvous.settings import Settings
@@ -74,6 +81,7 @@ class C10dBackend(StoreBackend):
         self._prefixed = PrefixStore(settings.run_prefix, store)
         self._store = cast(_ByteStore, self._prefixed)
         self._hosts_store = hosts_store
+        self._beats = 0
 
     @classmethod
     def connect(cls, settings: Settings, *, may_host: bool = True) -> C10dBackend:
@@ -144,8 +152,9 @@ class C10dBackend(StoreBackend):
             return None  # the key vanished; compare_set echoes the expected value
         return self._decode(result), result, False
 
-    def _write_beat(self, node: str, value: bytes) -> None:
-        self._set(f"hb/{node}", value)
+    def beat(self, node: str) -> None:
+        self._beats += 1
+        self._set(f"hb/{node}", heartbeat_value(self._beats))
 
     def remove_run(self) -> None:
         current = self.get_state()

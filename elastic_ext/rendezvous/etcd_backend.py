@@ -16,7 +16,14 @@ from datetime import timedelta
 
 from torch.distributed import Store
 
-from elastic_ext.rendezvous.backend import STATE_KEY, StoreBackend, Token, unwrap_state, wrap_state
+from elastic_ext.rendezvous.backend import (
+    STATE_KEY,
+    StoreBackend,
+    Token,
+    heartbeat_value,
+    unwrap_state,
+    wrap_state,
+)
 from elastic_ext.rendezvous.errors import StoreUnavailableError
 from elastic_ext.rendezvous.etcd_client import EtcdClient
 from elastic_ext.rendezvous.etcd_store import EtcdV3Store
@@ -35,6 +42,7 @@ class EtcdBackend(StoreBackend):
         self._prefix = settings.run_prefix
         self._state_key = self._prefix + STATE_KEY
         self._lease: int | None = None
+        self._beats = 0
         self._lease_refreshed = 0.0
         self._lease_ttl = max(10, math.ceil(4 * settings.timeouts.heartbeat))
 
@@ -74,7 +82,11 @@ class EtcdBackend(StoreBackend):
             return None
         return unwrap_state(kv.value), kv.mod_revision, False
 
-    def _write_beat(self, node: str, value: bytes) -> None:
+    def beat(self, node: str) -> None:
+        self._beats += 1
+        self._put_beat(node, heartbeat_value(self._beats))
+
+    def _put_beat(self, node: str, value: bytes) -> None:
         # Heartbeat keys hang on this agent's lease, so a dead agent's key disappears.
         now = time.monotonic()
         if self._lease is None:
@@ -89,7 +101,7 @@ class EtcdBackend(StoreBackend):
             if "lease not found" not in str(exc):
                 raise
             self._lease = None  # expired while etcd was out of reach: take a new one
-            self._write_beat(node, value)
+            self._put_beat(node, value)
 
     def remove_run(self) -> None:
         self._client.delete_prefix(self._prefix)

@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +43,13 @@ _NODE_STATES = {EventKind.JOINED: NodeState.RUNNING, EventKind.BUDGET_SPENT: Nod
 class EventLog:
     """One agent's events; safe to use from the keeper thread and the agent's thread."""
 
-    def __init__(self, run_id: str, node: str, hostname: str, path: Path | None = None) -> None:
+    def __init__(self, run_id: str, node: str, hostname: str, path: Path | None = None,
+                 listeners: Sequence[Callable[[EventKind, Mapping[str, Any]], None]] = ()
+                 ) -> None:
         self._run_id = run_id
         self._node = node
         self._hostname = hostname
+        self._listeners = tuple(listeners)
         self._lock = threading.Lock()
         self._fd: int | None = None
         if path is not None:
@@ -63,6 +67,12 @@ class EventLog:
                 rank=fields.get("rank"))
         except Exception:  # events are best effort; never fail a rendezvous over them
             logger.debug("could not record rendezvous event", exc_info=True)
+        for listener in self._listeners:
+            try:
+                listener(kind, fields)
+            except Exception:
+                logger.warning("etcd-ext: an event listener failed on %s", kind.value,
+                               exc_info=True)
         with self._lock:
             if self._fd is None:
                 return

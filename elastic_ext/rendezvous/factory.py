@@ -10,8 +10,13 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from elastic_ext.logs import configure_for_torchrun
 from elastic_ext.rendezvous.backend import StoreBackend
 from elastic_ext.rendezvous.handler import EtcdExtRendezvousHandler
+from elastic_ext.rendezvous.prometheus import (
+    AgentMetrics,
+    MeasuredBackend,
+    require_prometheus_client,
+)
 from elastic_ext.rendezvous.settings import Settings, parse_settings
-from elastic_ext.torch_compat import torchrun_max_restarts
+from elastic_ext.torch_compat import quiet_signal_exit, torchrun_max_restarts
 
 
 def open_backend(settings: Settings, *, may_host: bool = True) -> StoreBackend:
@@ -43,7 +48,16 @@ def settings_from_params(params: RendezvousParameters) -> Settings:
 def build_handler(params: RendezvousParameters, backend_name: str) -> EtcdExtRendezvousHandler:
     """The handler torchrun asked for as ``--rdzv-backend=<backend_name>``."""
     configure_for_torchrun()
+    quiet_signal_exit()
     settings = settings_from_params(params)
+    metrics = None
+    if settings.metrics_port is not None:
+        require_prometheus_client()
+        metrics = AgentMetrics(settings.run_id)
+        metrics.serve(settings.metrics_port)
+    backend = open_backend(settings)
+    if metrics is not None:
+        backend = MeasuredBackend(backend, metrics)
     return EtcdExtRendezvousHandler(
-        settings, open_backend(settings), backend_name=backend_name,
+        settings, backend, backend_name=backend_name, metrics=metrics,
         events_file=Path(settings.events_file) if settings.events_file else None)

@@ -33,6 +33,7 @@ from elastic_ext.rendezvous.errors import RestartBudgetExhaustedError, StoreUnav
 from elastic_ext.rendezvous.events import EventKind, EventLog
 from elastic_ext.rendezvous.keeper import Keeper
 from elastic_ext.rendezvous.liveness import LEFT
+from elastic_ext.rendezvous.prometheus import AgentMetrics
 from elastic_ext.rendezvous.settings import Settings
 from elastic_ext.rendezvous.state import (
     BudgetSpent,
@@ -71,7 +72,7 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
     def __init__(self, settings: Settings, backend: StoreBackend, *, backend_name: str,
                  events_file: Path | None = None, node_id: str | None = None,
                  control: AgentControl | None = None, clock: Clock = SYSTEM_CLOCK,
-                 keeper_thread: bool = True) -> None:
+                 keeper_thread: bool = True, metrics: AgentMetrics | None = None) -> None:
         self._settings = settings
         self._backend = backend
         self._backend_name = backend_name
@@ -81,11 +82,15 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         self._limits = Limits(settings.min_nodes, settings.max_nodes,
                               settings.timeouts.last_call, settings.max_restarts)
         self._control = control or AgentControl()
-        self._events = EventLog(settings.run_id, self._node, self._addr, events_file)
+        self._metrics = metrics
+        self._events = EventLog(settings.run_id, self._node, self._addr, events_file,
+                                listeners=[metrics.on_event] if metrics else [])
         self.keeper = Keeper(backend.clone(), self._node,
                              interval=settings.timeouts.heartbeat_interval,
                              timeout=settings.timeouts.heartbeat, limits=self._limits,
                              control=self._control, events=self._events, clock=clock)
+        if metrics is not None:
+            metrics.watch_peers(self.keeper.peer_silence)
         self._keeper_thread = keeper_thread
         self._keeper_started = False
         self._completed: tuple[str, int] | None = None
@@ -94,7 +99,8 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         self._events.emit(EventKind.STARTED,
                           f"node {self._node} on the {backend.name} store"
                           + (", which it hosts" if backend.hosts_store else ""),
-                          store=backend.name, hosts_store=backend.hosts_store)
+                          store=backend.name, hosts_store=backend.hosts_store,
+                          metrics_port=metrics.port if metrics else None)
 
     # -- torch's contract ------------------------------------------------------------------
     def get_backend(self) -> str:
@@ -191,6 +197,8 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
             self._control.close()
             self._events.close()
             self._backend.close()
+            if self._metrics is not None:
+                self._metrics.close()
 
     # -- internals ---------------------------------------------------------------------------
     def _wait_out_outage(self, exc: StoreUnavailableError, deadline: float) -> None:
@@ -262,7 +270,8 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
                           f"joined round {state.round} as rank {rank} of {len(state.order)}",
                           generation=state.generation, round=state.round, rank=rank,
                           world_size=len(state.order), master_addr=master.addr,
-                          master_port=master.port)
+                          master_port=master.port, opened_because=state.opened_because.value,
+                          restarts=state.restarts, max_restarts=state.max_restarts)
         logger.info("etcd-ext: round %d of run %s: rank %d of %d, workers' store at %s:%d",
                     state.round, self._settings.run_id, rank, len(state.order), master.addr,
                     master.port)

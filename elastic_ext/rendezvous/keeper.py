@@ -55,6 +55,7 @@ class Keeper:
         self._pressure = Pressure()
         self._reported_dead: set[str] = set()
         self._failing_since: float | None = None
+        self._peers: frozenset[str] = frozenset()  # the last state's members and waiting
 
     # -- what the handler reads ---------------------------------------------------------
     @property
@@ -65,6 +66,14 @@ class Keeper:
     def dead_among(self, nodes: set[str]) -> frozenset[str]:
         with self._lock:
             return self._liveness.dead_among(nodes - {self._node})
+
+    def peer_silence(self) -> dict[str, float]:
+        """Seconds since each peer's heartbeat last moved, as this agent sees it, for the
+        nodes of the current round and those waiting (for metrics)."""
+        with self._lock:
+            silence = self._liveness.silence()
+            peers = self._peers
+        return {node: age for node, age in silence.items() if node in peers}
 
     def watch_round(self, round_: tuple[str, int] | None) -> None:
         with self._lock:
@@ -119,6 +128,7 @@ class Keeper:
             self._liveness.observe(beats)
             if state is not None:
                 self._liveness.forget(nodes)
+                self._peers = frozenset(set(state.members) | set(state.waiting)) - {self._node}
             dead = self._liveness.dead_among(nodes)
             for node in sorted(dead - self._reported_dead):
                 if beats.get(node) == LEFT:

@@ -42,7 +42,8 @@ class Liveness:
             known = self._seen.get(node)
             if known is None:
                 self._seen[node] = _Seen(value, now)
-            elif known.value != value:
+            elif known.value != value and value is not None:
+                # A key that vanished (a dead agent's etcd lease expired) is no heartbeat.
                 known.value, known.changed_at = value, now
 
     def blind(self) -> None:
@@ -59,6 +60,13 @@ class Liveness:
 
     def dead_among(self, nodes: Iterable[str]) -> frozenset[str]:
         return frozenset(n for n in nodes if self.is_dead(n))
+
+    def silence(self) -> dict[str, float]:
+        """Seconds since each watched node's heartbeat last changed, on our clock (a node
+        that left is not listed)."""
+        now = self._clock()
+        return {node: now - seen.changed_at for node, seen in self._seen.items()
+                if seen.value != LEFT}
 
     def forget(self, keep: Iterable[str]) -> None:
         keep = set(keep)

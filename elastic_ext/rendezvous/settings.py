@@ -51,6 +51,9 @@ CONF_KEYS: dict[str, tuple[str, str]] = {
                         "(`auto`: the node whose address matches the endpoint tries)"),
     "events_file": ("", "append one JSON line per rendezvous event of this agent to this file "
                         "(for tools and audits; see `elastic_ext/rendezvous/events.py`)"),
+    "metrics_port": ("", "serve this agent's Prometheus metrics on this port of every "
+                         "interface (`0`: any free port, named in the log and the "
+                         "`started` event); needs `pip install 'elastic-ext[metrics]'`"),
     "timeout": ("900", "set by torchrun from `--rdzv-timeout`; used as `join_timeout` "
                        "when that key is not given"),
 }
@@ -103,6 +106,7 @@ class Settings:
     is_host: bool | None = None
     local_addr: str | None = None
     events_file: str | None = None
+    metrics_port: int | None = None
 
     @property
     def run_prefix(self) -> str:
@@ -121,6 +125,13 @@ def _number(key: str, raw: Any, *, minimum: float, integer: bool = False) -> flo
     if math.isnan(value) or math.isinf(value) or value < minimum:
         raise ConfigError(f"--rdzv-conf {key}={raw!r} must be a finite number >= {minimum}")
     return value
+
+
+def _port(key: str, raw: Any) -> int:
+    port = int(_number(key, raw, minimum=0, integer=True))
+    if port > 65535:
+        raise ConfigError(f"--rdzv-conf {key}={raw!r} must be a port, 0 to 65535")
+    return port
 
 
 def _bool_or_auto(key: str, raw: Any) -> bool | None:
@@ -265,4 +276,6 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
         user=user, password=_read_password(conf, user), max_restarts=max_restarts,
         is_host=_bool_or_auto("is_host", conf.get("is_host", "auto")), local_addr=local_addr,
         events_file=str(conf["events_file"]) if conf.get("events_file") else None,
+        metrics_port=_port("metrics_port", conf["metrics_port"])
+        if str(conf.get("metrics_port", "")).strip() else None,
     )

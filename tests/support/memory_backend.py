@@ -17,6 +17,7 @@ from elastic_ext.rendezvous.backend import (
     STATE_KEY,
     StoreBackend,
     Token,
+    heartbeat_value,
     unwrap_state,
     wrap_state,
 )
@@ -57,6 +58,7 @@ class MemoryBackend(StoreBackend):
         self.store = store
         self._prefix = run_prefix
         self._transient = transient
+        self._beats = 0
 
     @property
     def name(self) -> str:
@@ -88,13 +90,17 @@ class MemoryBackend(StoreBackend):
             return None
         return unwrap_state(found[0]), found[1], False
 
-    def _write_beat(self, node: str, value: bytes) -> None:
+    def beat(self, node: str) -> None:
+        self._beats += 1
+        self._put_beat(node, heartbeat_value(self._beats))
+
+    def _put_beat(self, node: str, value: bytes) -> None:
         with self.store.lock:
             self.store.check_up()
             self.store.put(f"{self._prefix}hb/{node}", value)
 
     def leave(self, node: str) -> None:
-        self._write_beat(node, LEFT)
+        self._put_beat(node, LEFT)
 
     def read_beats(self, nodes: Iterable[str]) -> dict[str, bytes | None]:
         with self.store.lock:

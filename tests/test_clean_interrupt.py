@@ -1,0 +1,50 @@
+"""Ctrl-C of the README's main job: the workers save, torchrun ends in one line, no traceback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastic_ext.jsonlines import read_json_lines
+from elastic_ext.local.processes import ProcessSet
+from elastic_ext.net import free_port
+from elastic_ext.torch_compat import STOPPED_LINE
+from tests.support.trainer_runs import env, finish, of, wait_event
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def readme_job(tmp: Path, port: int) -> list[str]:
+    """The README's main job (fewer steps), on an embedded store of its own."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2",
+            "--nproc-per-node=2", "--rdzv-backend=etcd-ext",
+            f"--rdzv-endpoint=c10d://127.0.0.1:{port}", "--rdzv-id=demo", "-m", "trainer",
+            "--steps", "300", "--snapshot-dir", str(tmp / "snapshots"), "--snapshot-every", "50",
+            "--metrics", str(tmp / "metrics.jsonl"), "--step-delay", "0.01"]
+
+
+def test_ctrl_c_saves_ends_in_one_line_and_the_same_command_resumes(
+        processes: ProcessSet, tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    first = processes.spawn("first", readme_job(tmp_path, free_port("127.0.0.1")), env=env())
+    wait_event(metrics, lambda e: e["event"] == "step" and e["step"] >= 60, 120, first, "step 60")
+    os.killpg(first.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: torchrun's group
+    code = finish(first, 60)
+    output = first.output()
+    assert code == 1, output[-3000:]  # torchrun's own status after a signal (torch's choice)
+    assert "Traceback" not in output, output[-3000:]
+    assert output.count(STOPPED_LINE.format(signal="SIGINT")) == 1, output[-3000:]
+    preempted = of(read_json_lines(metrics), "preempted")
+    assert len(preempted) == 1 and preempted[0]["signal"] == "SIGINT"
+    saved = preempted[0]["step"]
+    assert saved in [e["step"] for e in of(read_json_lines(metrics), "snapshot")]
+
+    second = processes.spawn("second", readme_job(tmp_path, free_port("127.0.0.1")), env=env())
+    assert finish(second, 120) == 0, second.output()[-3000:]
+    events = read_json_lines(metrics)
+    assert of(events, "start")[-1]["resumed_from"] == saved
+    assert of(events, "done")[-1]["step"] == 300
