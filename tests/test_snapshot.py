@@ -8,6 +8,7 @@ import os
 import random
 import socket
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,6 +71,7 @@ def test_commit_and_restore_round_trip(tmp_path: Path) -> None:
                                               "scheduler": fresh_sched})
     assert restored is not None and restored.step == 3
     assert restored.state == {"data": {"offset": 9}}
+    assert restored.created is not None and 0 <= time.time() - restored.created < 60
     assert _same(_params(fresh_model), expected)
     assert fresh_sched.last_epoch == 3
     # The optimizer state came back too: two more steps from here land exactly where the

@@ -22,8 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic_ext.preemption import GuardSettings, PreemptionGuard, exit_now
-from elastic_ext.snapshot import Manifest, SnapshotError, SnapshotInfo, Snapshotter
-from elastic_ext.snapshot.layout import manifest_name
+from elastic_ext.snapshot import SnapshotError, SnapshotInfo, Snapshotter
 from trainer.data import DataPosition, next_batch, shard
 from trainer.metrics import MetricsLog
 from trainer.model import MODEL_SIZES, SyntheticTask, build_model, params_sha256
@@ -219,19 +218,9 @@ class Trainer:
                            data["global_batch_size"], s.global_batch_size, data["offset"])
         self.step = restored.step
         self.position = DataPosition.from_state(data)
-        if self.progress.enabled:
-            self._restored_age_s = self._snapshot_age(restored.step)
+        if restored.created is not None:
+            self._restored_age_s = max(0.0, time.time() - restored.created)
         return restored.step
-
-    def _snapshot_age(self, step: int) -> float | None:
-        """Seconds since the restored snapshot became durable, from its manifest (for the
-        progress line; None if unreadable)."""
-        assert self.snapshots is not None
-        try:
-            text = (self.snapshots.directory / manifest_name(step)).read_text()
-            return max(0.0, time.time() - Manifest.from_json(text, step).created)
-        except (OSError, ValueError):
-            return None
 
     def run(self) -> int:
         s = self.settings

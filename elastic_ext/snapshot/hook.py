@@ -69,6 +69,8 @@ class Restored:
     step: int
     path: Path
     state: dict[str, Any]
+    created: float | None = None
+    """Unix time the snapshot became durable (its manifest's); None if that is unreadable."""
 
 
 def shape_mismatches(expected: Mapping[str, Any], found: Mapping[str, Any]) -> list[str]:
@@ -328,7 +330,14 @@ class Snapshotter:
         if restore_rng_states and rng is not None:
             restore_rng(rng)
         logger.info("restored step %d from %s", step, path)
-        return Restored(step=step, path=path, state=state)
+        return Restored(step=step, path=path, state=state, created=self._created(step))
+
+    def _created(self, step: int) -> float | None:
+        try:
+            text = (self.directory / manifest_name(step)).read_text()
+            return Manifest.from_json(text, step).created
+        except (OSError, ValueError):
+            return None
 
 
 __all__ = [
