@@ -1,4 +1,5 @@
-"""Ctrl-C of the README's main job: the workers save, torchrun ends in one line, no traceback."""
+"""Ctrl-C (or SIGTERM) of the README's main job: the workers save, torchrun ends in one
+line, no traceback, and the same command resumes."""
 
 from __future__ import annotations
 
@@ -27,19 +28,20 @@ def readme_job(tmp: Path, port: int) -> list[str]:
             "--metrics", str(tmp / "metrics.jsonl"), "--step-delay", "0.01"]
 
 
-def test_ctrl_c_saves_ends_in_one_line_and_the_same_command_resumes(
-        processes: ProcessSet, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_stop_saves_ends_in_one_line_and_the_same_command_resumes(
+        processes: ProcessSet, tmp_path: Path, sig: signal.Signals) -> None:
     metrics = tmp_path / "metrics.jsonl"
     first = processes.spawn("first", readme_job(tmp_path, free_port("127.0.0.1")), env=env())
     wait_event(metrics, lambda e: e["event"] == "step" and e["step"] >= 60, 120, first, "step 60")
-    os.killpg(first.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: torchrun's group
+    os.killpg(first.pid, sig)  # what a terminal's Ctrl-C does: torchrun's whole group
     code = finish(first, 60)
     output = first.output()
     assert code == 1, output[-3000:]  # torchrun's own status after a signal (torch's choice)
     assert "Traceback" not in output, output[-3000:]
-    assert output.count(STOPPED_LINE.format(signal="SIGINT")) == 1, output[-3000:]
+    assert output.count(STOPPED_LINE.format(signal=sig.name)) == 1, output[-3000:]
     preempted = of(read_json_lines(metrics), "preempted")
-    assert len(preempted) == 1 and preempted[0]["signal"] == "SIGINT"
+    assert len(preempted) == 1 and preempted[0]["signal"] == sig.name
     saved = preempted[0]["step"]
     assert saved in [e["step"] for e in of(read_json_lines(metrics), "snapshot")]
 
