@@ -74,7 +74,7 @@ class AgentMetrics:
             **kw)
         self.request_errors = Counter("elastic_ext_store_request_errors", "Requests to the "
                                       "store that failed", [*labels, "operation"], **kw)
-        self.registry.register(_PeerHeartbeatAges(self))
+        self.registry.register(_PeerHeartbeatAges(run_id, self.peer_ages))
 
     # -- inputs ---------------------------------------------------------------------------
     def on_event(self, kind: EventKind, fields: Mapping[str, Any]) -> None:
@@ -97,6 +97,10 @@ class AgentMetrics:
     def watch_peers(self, silence: Callable[[], Mapping[str, float]]) -> None:
         """Where the heartbeat ages come from when scraped (the keeper)."""
         self._peer_silence = silence
+
+    def peer_ages(self) -> Mapping[str, float]:
+        """Each peer's heartbeat age now, from what ``watch_peers`` named."""
+        return self._peer_silence()
 
     @contextmanager
     def request(self, operation: str) -> Iterator[None]:
@@ -140,8 +144,9 @@ class AgentMetrics:
 class _PeerHeartbeatAges:
     """A collector: the heartbeat age of every peer, read from the keeper when scraped."""
 
-    def __init__(self, metrics: AgentMetrics) -> None:
-        self._metrics = metrics
+    def __init__(self, run_id: str, ages: Callable[[], Mapping[str, float]]) -> None:
+        self._run_id = run_id
+        self._ages = ages
 
     def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import GaugeMetricFamily
@@ -149,8 +154,8 @@ class _PeerHeartbeatAges:
         family = GaugeMetricFamily(
             "elastic_ext_peer_heartbeat_age_seconds", "Seconds since each peer's heartbeat "
             "counter last moved, on this agent's clock", labels=["run_id", "peer"])
-        for peer, age in sorted(self._metrics._peer_silence().items()):
-            family.add_metric([self._metrics._run_id, peer], age)
+        for peer, age in sorted(self._ages().items()):
+            family.add_metric([self._run_id, peer], age)
         yield family
 
 
