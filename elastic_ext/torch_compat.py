@@ -10,10 +10,12 @@ torch upgrade that removes or changes one fails loudly, naming it.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import TracebackType
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -29,13 +31,8 @@ STOPPED_LINE = ("torchrun stopped by {signal}: its workers got it too (the bundl
 _quiet_exit_installed = False
 
 
-def torchrun_max_restarts(argv: Sequence[str] | None = None) -> int | None:
-    """``--max-restarts`` of the torchrun command line this agent runs under, if any.
-
-    The handler is not told the agent's restart budget, yet it keeps the job-wide
-    count; torchrun's own parser (``ARGS_PARSER``) reads it back from ``sys.argv``,
-    ``PET_MAX_RESTARTS`` included. None when this process is not torchrun.
-    """
+def _torchrun_args(argv: Sequence[str] | None) -> argparse.Namespace | None:
+    """torchrun's own parse (``get_args_parser``, ``PET_*`` included) of its command line."""
     argv = list(sys.argv if argv is None else argv)
     if not argv:
         return None
@@ -45,10 +42,39 @@ def torchrun_max_restarts(argv: Sequence[str] | None = None) -> int | None:
     from torch.distributed.run import get_args_parser
 
     try:
-        args = get_args_parser().parse_args(argv[1:])
+        return get_args_parser().parse_args(argv[1:])
     except SystemExit:
         return None
-    return int(args.max_restarts)
+
+
+def torchrun_max_restarts(argv: Sequence[str] | None = None) -> int | None:
+    """``--max-restarts`` of the torchrun command line this agent runs under, if any.
+
+    The handler is not told the agent's restart budget, yet it keeps the job-wide
+    count; torchrun's own parser reads it back from ``sys.argv``. None when this
+    process is not torchrun.
+    """
+    args = _torchrun_args(argv)
+    return None if args is None else int(args.max_restarts)
+
+
+@dataclass(frozen=True)
+class WorkerCommand:
+    """What torchrun runs as each worker: ``python -u [-m] SCRIPT ARGS``."""
+
+    module: bool
+    script: str
+    args: tuple[str, ...]
+
+
+def torchrun_worker_command(argv: Sequence[str] | None = None) -> WorkerCommand | None:
+    """The workers' command of the torchrun this agent runs under; None when this process
+    is not torchrun or its workers are not Python (``--no-python``)."""
+    args = _torchrun_args(argv)
+    if args is None or args.no_python:
+        return None
+    return WorkerCommand(module=bool(args.module), script=str(args.training_script),
+                         args=tuple(str(a) for a in args.training_script_args))
 
 
 def agent_gave_up() -> bool:

@@ -76,9 +76,12 @@ class Node:
         return self.proc.popen.poll() is None
 
     def worker_pids(self) -> list[int]:
-        """The agent's live worker processes (its children; each runs in a session of its own)."""
+        """The processes of the agent's live workers: those torchrun gave a ``RANK``. With
+        warm start that is each worker's launcher (the agent's child, which relays signals)
+        and the worker the warm-start server forked for it."""
         agent = self.proc.pid
-        return [pid for pid in self.proc.pids() if pid != agent and _parent(pid) == agent]
+        return [pid for pid in self.proc.pids()
+                if pid != agent and "RANK" in environ_of(pid) and _alive(pid)]
 
     def events(self, kind: EventKind | None = None) -> list[dict[str, Any]]:
         """The agent's rendezvous events so far (of ``kind``), oldest first."""
@@ -199,13 +202,13 @@ class LocalJob:
         self.cleanup()
 
 
-def _parent(pid: int) -> int | None:
-    """The parent pid from ``/proc/PID/stat`` (None once the process is gone)."""
+def _alive(pid: int) -> bool:
+    """True unless ``pid`` is gone or a zombie (``/proc/PID/stat`` state ``Z``)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def wait_for_step(metrics: Path, *, after: float, world_size: int, timeout: float,

@@ -16,7 +16,11 @@ from elastic_ext.rendezvous.prometheus import (
     require_prometheus_client,
 )
 from elastic_ext.rendezvous.settings import Settings, parse_settings
-from elastic_ext.torch_compat import quiet_signal_exit, torchrun_max_restarts
+from elastic_ext.torch_compat import (
+    quiet_signal_exit,
+    torchrun_max_restarts,
+    torchrun_worker_command,
+)
 
 
 def open_backend(settings: Settings, *, may_host: bool = True) -> StoreBackend:
@@ -58,6 +62,12 @@ def build_handler(params: RendezvousParameters, backend_name: str) -> EtcdExtRen
     backend = open_backend(settings)
     if metrics is not None:
         backend = MeasuredBackend(backend, metrics)
+    # Imported here: the launcher's package must stay free of the rendezvous' imports.
+    from elastic_ext.warm.agent import WarmStartServer
+
+    warm = WarmStartServer.for_workers(torchrun_worker_command(), enabled=settings.warm_start,
+                                       preload=settings.warm_preload)
     return EtcdExtRendezvousHandler(
         settings, backend, backend_name=backend_name, metrics=metrics,
-        events_file=Path(settings.events_file) if settings.events_file else None)
+        events_file=Path(settings.events_file) if settings.events_file else None,
+        closes_with=[warm] if warm is not None else [])

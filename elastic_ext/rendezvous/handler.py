@@ -13,8 +13,10 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 from torch.distributed.elastic.rendezvous.api import (
@@ -61,18 +63,24 @@ def make_node_id() -> str:
     return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+class SupportsClose(Protocol):
+    def close(self) -> None: ...
+
+
 class EtcdExtRendezvousHandler(RendezvousHandler):
     """torch's ``RendezvousHandler`` over a :class:`StoreBackend`.
 
     ``node_id``, ``control``, ``clock`` and ``keeper_thread=False`` are for tests: a
     fixed name, a control directory of their own, simulated time, and a keeper they
-    tick themselves.
+    tick themselves. ``closes_with`` are what the agent owns for its workers (the
+    warm-start server): closed when the handler shuts down.
     """
 
     def __init__(self, settings: Settings, backend: StoreBackend, *, backend_name: str,
                  events_file: Path | None = None, node_id: str | None = None,
                  control: AgentControl | None = None, clock: Clock = SYSTEM_CLOCK,
-                 keeper_thread: bool = True, metrics: AgentMetrics | None = None) -> None:
+                 keeper_thread: bool = True, metrics: AgentMetrics | None = None,
+                 closes_with: Sequence[SupportsClose] = ()) -> None:
         self._settings = settings
         self._backend = backend
         self._backend_name = backend_name
@@ -83,6 +91,7 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
                               settings.timeouts.last_call, settings.max_restarts)
         self._control = control or AgentControl()
         self._metrics = metrics
+        self._closes_with = list(closes_with)
         self._events = EventLog(settings.run_id, self._node, self._addr, events_file,
                                 listeners=[metrics.on_event] if metrics else [])
         self.keeper = Keeper(backend.clone(), self._node,
@@ -199,6 +208,8 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
             self._backend.close()
             if self._metrics is not None:
                 self._metrics.close()
+            for owned in self._closes_with:
+                owned.close()
 
     # -- internals ---------------------------------------------------------------------------
     def _wait_out_outage(self, exc: StoreUnavailableError, deadline: float) -> None:

@@ -54,6 +54,11 @@ CONF_KEYS: dict[str, tuple[str, str]] = {
     "metrics_port": ("", "serve this agent's Prometheus metrics on this port of every "
                          "interface (`0`: any free port, named in the log and the "
                          "`started` event); needs `pip install 'elastic-ext[metrics]'`"),
+    "warm_start": ("on", "`on` or `off`: a per-node fork server starts the workers of "
+                         "`-m elastic_ext.warm ...` and of the bundled `-m trainer` in a "
+                         "fraction of a second (see `docs/warm-start.md`)"),
+    "warm_preload": ("", "extra modules, comma-separated, the warm-start server imports "
+                         "before it forks workers"),
     "timeout": ("900", "set by torchrun from `--rdzv-timeout`; used as `join_timeout` "
                        "when that key is not given"),
 }
@@ -107,6 +112,8 @@ class Settings:
     local_addr: str | None = None
     events_file: str | None = None
     metrics_port: int | None = None
+    warm_start: bool = True
+    warm_preload: tuple[str, ...] = ()
 
     @property
     def run_prefix(self) -> str:
@@ -143,6 +150,27 @@ def _bool_or_auto(key: str, raw: Any) -> bool | None:
     if text in {"0", "false", "no", "off"}:
         return False
     raise ConfigError(f"--rdzv-conf {key}={raw!r} must be true, false or auto")
+
+
+def _on_off(key: str, raw: Any) -> bool:
+    text = str(raw).strip().lower()
+    if text in {"1", "true", "yes", "on"}:
+        return True
+    if text in {"0", "false", "no", "off"}:
+        return False
+    raise ConfigError(f"--rdzv-conf {key}={raw!r} must be on or off")
+
+
+_MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def _module_list(key: str, raw: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in raw.split(",") if name.strip())
+    for name in names:
+        if not _MODULE_RE.match(name):
+            raise ConfigError(f"--rdzv-conf {key}: {name!r} is not a module name; give dotted "
+                              "names separated by commas, e.g. numpy,mypackage.model")
+    return names
 
 
 _HOST_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -278,4 +306,6 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
         events_file=str(conf["events_file"]) if conf.get("events_file") else None,
         metrics_port=_port("metrics_port", conf["metrics_port"])
         if str(conf.get("metrics_port", "")).strip() else None,
+        warm_start=_on_off("warm_start", conf.get("warm_start", "on")),
+        warm_preload=_module_list("warm_preload", str(conf.get("warm_preload", ""))),
     )

@@ -1,0 +1,119 @@
+"""What the server imports before it forks: the target's imports, found without running it.
+
+Running the target's main file would start training in the server, so its imports
+are read from its source (``ast``), anywhere in the file, function bodies included
+(the bundled trainer imports torch inside ``main`` so that ``--help`` is fast); the
+target's own package's modules are followed the same way. Each import is tried on
+its own: one that fails here fails again, with its real traceback, in the worker.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+from collections.abc import Iterable
+
+from elastic_ext.warm.target import Target
+
+logger = logging.getLogger(__name__)
+
+LAZY_HEAVY = ("torch._dynamo",)
+"""Imported by torch lazily on first use (any optimizer's step), ~1 s each; thread-free."""
+
+
+def _source_of(module: str) -> str | None:
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    if spec.submodule_search_locations is not None:  # a package: what -m runs is __main__
+        main = os.path.join(os.path.dirname(spec.origin), "__main__.py")
+        return main if os.path.exists(main) else spec.origin
+    return spec.origin
+
+
+def imports_in(path: str, package: str | None) -> list[str]:
+    """Absolute names of every module ``path`` imports (relative ones resolved in ``package``)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                if not package:
+                    continue
+                try:
+                    base = importlib.util.resolve_name("." * node.level + base, package)
+                except (ImportError, ValueError):
+                    continue
+            if base:
+                names.append(base)
+    return list(dict.fromkeys(names))
+
+
+def _try_import(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+        return True
+    except BaseException as exc:  # noqa: BLE001 - a SystemExit at import is the worker's business
+        logger.debug("warm preload: import %s failed (%s); the worker will import it itself",
+                     name, exc)
+        return False
+
+
+def _walk(start: Iterable[tuple[str, str | None]], home: str | None) -> list[str]:
+    """Import what each file imports, following modules of the ``home`` top-level package."""
+    done: list[str] = []
+    seen_files: set[str] = set()
+    todo = list(start)
+    while todo:
+        path, package = todo.pop(0)
+        if path in seen_files:
+            continue
+        seen_files.add(path)
+        for name in imports_in(path, package):
+            if name in done or name == "__main__":
+                continue
+            if _try_import(name):
+                done.append(name)
+            if home and name.split(".")[0] == home:
+                source = _source_of(name)
+                if source is not None:
+                    is_package = source.endswith("__init__.py")
+                    todo.append((source, name if is_package else name.rpartition(".")[0]))
+    return done
+
+
+def preload(target: Target, extra: Iterable[str] = ()) -> list[str]:
+    """Import ``target``'s imports and ``extra`` modules; the names imported."""
+    done: list[str] = []
+    if target.kind == "module":
+        top = target.name.split(".")[0]
+        spec_source = _source_of(target.name)
+        parent = target.name.rpartition(".")[0]
+        for package in (parent, target.name):
+            if package and _source_of(package) is not None and _try_import(package):
+                done.append(package)
+        package = target.name if spec_source and spec_source.endswith("__main__.py") else parent
+        if spec_source is not None:
+            done += _walk([(spec_source, package or None)], top)
+    else:
+        script = os.path.abspath(target.name)
+        sys.path.insert(0, os.path.dirname(script))
+        done += _walk([(script, None)], None)
+    for name in (*extra, *(LAZY_HEAVY if "torch" in sys.modules else ())):
+        if name and name not in done and _try_import(name):
+            done.append(name)
+    return done

@@ -1,0 +1,140 @@
+"""Running the user's module or script as ``python`` would, in a warm child or cold.
+
+The one thing added: a script that knows nothing of elastic-ext and dies of a
+peer's failure (the same narrow classification as the bundled trainer's guard)
+reports it to the etcd-ext agent and waits to be stopped, so torch's agent sees a
+membership change instead of this worker's failure and spends no restart on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import runpy
+import signal
+import sys
+import time
+import traceback
+
+from elastic_ext.warm.target import Target
+
+logger = logging.getLogger(__name__)
+
+HOLD_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2})
+HOLD_TIMEOUT_S = 60.0
+"""How long a worker that reported a peer fault waits for its agent to stop it."""
+EXIT_HOLD_TIMEOUT = 1
+
+_warm = False
+_launched_at: float | None = None
+
+
+def enter_warm_worker(launched_at: float) -> None:
+    """Called once in a forked worker: this process is the worker, not a launcher."""
+    global _warm, _launched_at
+    _warm, _launched_at = True, launched_at
+
+
+def in_warm_worker() -> bool:
+    """True in a worker forked by the warm-start server."""
+    return _warm
+
+
+def launched_at() -> float:
+    """Unix time this worker was launched: its launcher's start when warm, else its own."""
+    if _launched_at is not None:
+        return _launched_at
+    return process_start_time(os.getpid())
+
+
+def process_start_time(pid: int) -> float:
+    """Unix time ``pid`` started, to about 10 ms (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = int(fields[19])  # field 22, starttime, counted after "pid (comm)"
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def exit_code_of(exc: SystemExit) -> int:
+    """The status ``python`` would exit with after an uncaught ``SystemExit``."""
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    sys.stderr.write(f"{code}\n")  # what the interpreter itself writes
+    return 1
+
+
+def run_target(target: Target, args: list[str]) -> int:
+    """Run ``target`` as ``__main__`` with ``args``; the exit status ``python`` would give.
+
+    An uncaught ``KeyboardInterrupt`` ends the process by SIGINT, as ``python`` does.
+    """
+    try:
+        if target.kind == "module":
+            sys.argv = [target.name, *args]  # runpy puts the module's file in argv[0]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(target.name, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [target.name, *args]
+            sys.path[0] = os.path.dirname(os.path.abspath(target.name))
+            runpy.run_path(target.name, run_name="__main__")
+        return 0
+    except SystemExit as exc:
+        return exit_code_of(exc)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        _flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        return 128 + signal.SIGINT
+    except BaseException as exc:
+        held = _hold_after_peer_fault(exc)
+        if held is not None:
+            return held
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        return 1
+
+
+def _hold_after_peer_fault(exc: BaseException) -> int | None:
+    """Report a peer's fault to the agent and wait for its stop; None if not one."""
+    if "torch.distributed" not in sys.modules:  # no collective ran: not a peer's fault
+        return None
+    from elastic_ext.preemption import is_peer_fault
+
+    if not is_peer_fault(exc):
+        return None
+    return hold_for_agent(f"{type(exc).__name__}: {exc}")
+
+
+def hold_for_agent(reason: str) -> int | None:
+    """Report ``reason`` to the etcd-ext agent as a fault that is not this worker's, and
+    wait for the agent's stop signal: the exit status to leave with, or None when no
+    agent listens (stock torchrun: the caller fails as it would have)."""
+    from elastic_ext import control
+
+    rank = os.environ.get("RANK", "?")
+    if not control.report_peer_failure(f"rank {rank}: {reason}"):
+        return None
+    logger.warning("rank %s: %s; reported to the etcd-ext agent as not this worker's fault, "
+                   "waiting up to %.0fs for it to stop this worker", rank, reason[:300],
+                   HOLD_TIMEOUT_S)
+    _flush()
+    signal.pthread_sigmask(signal.SIG_BLOCK, HOLD_SIGNALS)
+    got = signal.sigtimedwait(HOLD_SIGNALS, HOLD_TIMEOUT_S)
+    if got is None:
+        logger.error("rank %s: the agent did not stop this worker within %.0fs", rank,
+                     HOLD_TIMEOUT_S)
+        return EXIT_HOLD_TIMEOUT
+    return 128 + got.si_signo
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
