@@ -1,8 +1,8 @@
-"""Recovery benchmark: stock torchrun c10d against etcd-ext, side by side, in one run.
+"""Recovery benchmark: stock torchrun c10d, etcd-ext cold and etcd-ext warm, side by side.
 
-3 local torchrun agents (``--nnodes=2:3``, one gloo worker each) train the bundled
-trainer. Each scenario injects one fault and measures the seconds from the fault
-to the first training step in the new world:
+3 local torchrun agents (``--nnodes=2:3``, one gloo worker each, etcd-ext on a local
+etcd) train the bundled trainer. Each scenario injects one fault and measures the
+seconds from the fault to the first training step in the new world:
 
   dead        SIGKILL a whole node (agent and workers) that is not rank 0
   dead-rank0  SIGKILL the node that hosts group rank 0
@@ -10,8 +10,23 @@ to the first training step in the new world:
   scale-up    start a third node while 2 of 2:3 train (from its agent reaching the
               rendezvous, i.e. its "Rendezvous'ing worker group" log line)
 
-Usage: python benchmarks/recovery.py [--reps 3] [--timeout 90] [--stores stock-c10d,etcd]
-Prints a table of median / min / max seconds and how many runs never recovered.
+Modes: ``stock`` (torchrun's own c10d backend), ``cold`` (etcd-ext with
+``--rdzv-conf warm_start=off``) and ``warm`` (etcd-ext's default). For etcd-ext the
+time is broken down from the agents' events (``events_file``) and the trainer's
+``start`` event:
+
+  detect   fault -> the first surviving agent decides to restart (``leaving_round``)
+  stop     -> the last survivor is back in the rendezvous, its workers stopped (``restart``)
+  round    -> the new round closed (``joined``, rank 0's node)
+  spawn    -> the new rank-0 worker's process started (``launched_at``)
+  launch   -> its ``main`` runs (``main_at``): the worker start, warm or cold
+  pg-init  -> its process group is up (``pg_ready_at``)
+  restore  -> its state is restored (``restored_at``)
+  step     -> the first step in the new world
+
+Usage: python benchmarks/recovery.py [--reps 5] [--stock-reps 2] [--timeout 180]
+Prints the totals (median, min, max, runs that never recovered) and the breakdown
+(medians). Run it on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -23,11 +38,17 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from elastic_ext.local.job import JobSpec, LocalJob, wait_for_step
+from elastic_ext.jsonlines import read_json_lines
+from elastic_ext.local.job import JobSpec, LocalJob, Node, wait_for_step
+from elastic_ext.rendezvous.events import EventKind
 
 SCENARIOS = ("dead", "dead-rank0", "hung", "scale-up")
+MODES = ("stock", "cold", "warm")
+PHASES = ("detect", "stop", "round", "spawn", "launch", "pg-init", "restore", "step")
 
 
 def rendezvous_reached(log: str) -> float | None:
@@ -42,74 +63,131 @@ def rendezvous_reached(log: str) -> float | None:
     return stamp.replace(tzinfo=dt.timezone.utc).timestamp()
 
 
-def one_run(store: str, scenario: str, workdir: Path, timeout: float,
-            step_delay: float) -> float | None:
+@dataclass
+class Outcome:
+    total: float | None
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+def _times(nodes: list[Node], kind: EventKind, after: float) -> list[float]:
+    return [float(e["time"]) for node in nodes for e in node.events(kind) if e["time"] > after]
+
+
+def breakdown(fault_at: float, survivors: list[Node], metrics: Path,
+              first_step: dict[str, Any]) -> dict[str, float]:
+    """Seconds spent in each phase of one recovery, from events (empty when incomplete)."""
+    detect = _times(survivors, EventKind.LEAVING_ROUND, fault_at)
+    back = _times(survivors, EventKind.RESTART, fault_at)
+    joined = [float(e["time"]) for node in survivors for e in node.events(EventKind.JOINED)
+              if e["time"] > fault_at and e["rank"] == 0]
+    starts = [e for e in read_json_lines(metrics) if e.get("event") == "start"
+              and e["time"] > fault_at and e["time"] <= first_step["time"]
+              and "launched_at" in e]
+    if not (detect and back and joined and starts):
+        return {}
+    start = starts[-1]
+    marks = [fault_at, min(detect), max(back), max(joined), start["launched_at"],
+             start["main_at"], start["pg_ready_at"], start["restored_at"], first_step["time"]]
+    return {phase: marks[i + 1] - marks[i] for i, phase in enumerate(PHASES)}
+
+
+def one_run(mode: str, scenario: str, workdir: Path, timeout: float,
+            step_delay: float) -> Outcome:
     metrics = workdir / "metrics.jsonl"
     command = ["-m", "trainer", "--steps", "100000", "--global-batch-size", "24",
                "--snapshot-dir", str(workdir / "snapshots"), "--snapshot-every", "20",
-               "--metrics", str(metrics), "--step-delay", str(step_delay), "--seed", "1"]
-    spec = JobSpec(command=command, store=store, nnodes="2:3", run_id=f"bench-{scenario}",
-                   max_restarts=100)
+               "--metrics", str(metrics), "--step-delay", str(step_delay), "--seed", "1",
+               "--progress-every", "0"]
+    spec = JobSpec(command=command, store="stock-c10d" if mode == "stock" else "etcd",
+                   nnodes="2:3", run_id=f"bench-{scenario}", max_restarts=100,
+                   rdzv_conf="warm_start=off" if mode == "cold" else "")
     start_nodes = 2 if scenario == "scale-up" else 3
     with LocalJob(spec, workdir).start(start_nodes) as job:
-        wait_for_step(metrics, after=0, world_size=start_nodes, timeout=120)
+        wait_for_step(metrics, after=0, world_size=start_nodes, timeout=180)
         fault_at = time.time()
+        survivors = list(job.nodes)
         if scenario == "dead":
-            job.other_node(job.rank0_node()).kill()
+            victim = job.other_node(job.rank0_node())
+            victim.kill()
         elif scenario == "dead-rank0":
-            job.rank0_node().kill()
+            victim = job.rank0_node()
+            victim.kill()
         elif scenario == "hung":
-            job.other_node(job.rank0_node()).freeze()
+            victim = job.other_node(job.rank0_node())
+            victim.freeze()
         else:
-            node = job.add_node()
+            victim = job.add_node()
+        if scenario != "scale-up":
+            survivors.remove(victim)
         target = 3 if scenario == "scale-up" else 2
         try:
             event = wait_for_step(metrics, after=fault_at, world_size=target, timeout=timeout)
         except TimeoutError:
-            return None
+            return Outcome(None)
         if scenario == "scale-up":
-            reached = rendezvous_reached(node.proc.output())
+            reached = rendezvous_reached(victim.proc.output())
             fault_at = reached if reached is not None else fault_at
-        return event["time"] - fault_at
+        phases = breakdown(fault_at, survivors, metrics, event) if mode != "stock" else {}
+        return Outcome(event["time"] - fault_at, phases)
+
+
+def _fmt(values: list[float]) -> tuple[str, str, str]:
+    if not values:
+        return "-", "-", "-"
+    return (f"{statistics.median(values):.2f}", f"{min(values):.2f}", f"{max(values):.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--timeout", type=float, default=90.0,
+    parser.add_argument("--reps", type=int, default=5, help="runs of each etcd-ext mode")
+    parser.add_argument("--stock-reps", type=int, default=2,
+                        help="runs of stock c10d (each may take up to --timeout)")
+    parser.add_argument("--timeout", type=float, default=180.0,
                         help="seconds after the fault before a run counts as never recovered")
-    parser.add_argument("--stores", default="stock-c10d,etcd")
+    parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--step-delay", type=float, default=0.05)
     args = parser.parse_args(argv)
-    stores, scenarios = args.stores.split(","), args.scenarios.split(",")
-    results: dict[tuple[str, str], list[float | None]] = {}
+    modes, scenarios = args.modes.split(","), args.scenarios.split(",")
+    results: dict[tuple[str, str], list[Outcome]] = {}
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
-        for rep in range(args.reps):
+        for rep in range(max(args.reps, args.stock_reps)):
             for scenario in scenarios:
-                for store in stores:
-                    workdir = Path(tmp) / f"{store}-{scenario}-{rep}"
-                    seconds = one_run(store, scenario, workdir, args.timeout, args.step_delay)
-                    results.setdefault((store, scenario), []).append(seconds)
-                    shown = "never" if seconds is None else f"{seconds:.2f}s"
-                    print(f"  rep {rep + 1}: {store:<10} {scenario:<10} {shown}", file=sys.stderr,
+                for mode in modes:
+                    if rep >= (args.stock_reps if mode == "stock" else args.reps):
+                        continue
+                    workdir = Path(tmp) / f"{mode}-{scenario}-{rep}"
+                    outcome = one_run(mode, scenario, workdir, args.timeout, args.step_delay)
+                    results.setdefault((mode, scenario), []).append(outcome)
+                    shown = "never" if outcome.total is None else f"{outcome.total:.2f}s"
+                    print(f"  rep {rep + 1}: {mode:<5} {scenario:<10} {shown}", file=sys.stderr,
                           flush=True)
-    label = {"stock-c10d": "stock c10d", "etcd": "etcd-ext (etcd)",
-             "embedded": "etcd-ext (embedded)"}
+    label = {"stock": "stock c10d", "cold": "etcd-ext, cold start", "warm": "etcd-ext, warm start"}
     print(f"\nRecovery: seconds from the fault to the first step in the new world "
-          f"({args.reps} runs each, timeout {args.timeout:g}s)\n")
-    print("| scenario | backend | median | min | max | never recovered |")
-    print("|---|---|---|---|---|---|")
+          f"(timeout {args.timeout:g}s)\n")
+    print("| scenario | mode | runs | median | min | max | never recovered |")
+    print("|---|---|---|---|---|---|---|")
     for scenario in scenarios:
-        for store in stores:
-            values = results[(store, scenario)]
-            ok = [v for v in values if v is not None]
-            fmt = (lambda v: f"{v:.1f}") if ok else (lambda v: "-")
-            stats = ((fmt(statistics.median(ok)), fmt(min(ok)), fmt(max(ok))) if ok
-                     else ("-", "-", "-"))
-            print(f"| {scenario} | {label.get(store, store)} | {stats[0]} | {stats[1]} | "
-                  f"{stats[2]} | {len(values) - len(ok)} of {len(values)} |")
+        for mode in modes:
+            outcomes = results.get((mode, scenario), [])
+            ok = [o.total for o in outcomes if o.total is not None]
+            median, low, high = _fmt(ok)
+            print(f"| {scenario} | {label[mode]} | {len(outcomes)} | {median} | {low} | {high} | "
+                  f"{len(outcomes) - len(ok)} |")
+    print("\nWhere the time goes (etcd-ext; medians in seconds; see the module docstring)\n")
+    print("| scenario | mode | " + " | ".join(PHASES) + " | total |")
+    print("|---|---|" + "---|" * (len(PHASES) + 1))
+    for scenario in scenarios:
+        for mode in modes:
+            if mode == "stock":
+                continue
+            complete = [o for o in results.get((mode, scenario), []) if o.phases]
+            if not complete:
+                continue
+            cells = [f"{statistics.median(o.phases[p] for o in complete):.2f}" for p in PHASES]
+            total = statistics.median(o.total for o in complete if o.total is not None)
+            print(f"| {scenario} | {mode} | " + " | ".join(cells) + f" | {total:.2f} |")
     return 0
 
 

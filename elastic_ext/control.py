@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 CONTROL_DIR_ENV = "ELASTIC_EXT_CONTROL_DIR"
 _ROUND_FILE = "round"
+_PEER_LOST = "lost-"
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -45,9 +46,14 @@ class AgentControl:
             os.environ[CONTROL_DIR_ENV] = str(self.path)
 
     def publish_round(self, round_: int) -> None:
-        for stale in self.path.glob("fault-*"):
+        for stale in [*self.path.glob("fault-*"), *self.path.glob(f"{_PEER_LOST}*")]:
             stale.unlink(missing_ok=True)
         _atomic_write(self.path / _ROUND_FILE, str(round_))
+
+    def publish_peer_lost(self, round_: int, why: str) -> None:
+        """Tell the workers of ``round_`` that a peer is dead or hung: the stop that follows
+        cannot wait for a step boundary (every collective would wait on that peer)."""
+        _atomic_write(self.path / f"{_PEER_LOST}{round_}", why[:500])
 
     def fault_reported(self, round_: int) -> str | None:
         """The reason a worker gave for a peer fault in ``round_``, if any."""
@@ -62,6 +68,18 @@ class AgentControl:
         if os.environ.get(CONTROL_DIR_ENV) == str(self.path):
             del os.environ[CONTROL_DIR_ENV]
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def peer_lost() -> bool:
+    """In a worker: whether its agent found a peer of this round dead or hung."""
+    path = os.environ.get(CONTROL_DIR_ENV)
+    if not path:
+        return False
+    try:
+        round_ = (Path(path) / _ROUND_FILE).read_text().strip()
+        return (Path(path) / f"{_PEER_LOST}{round_}").exists()
+    except OSError:
+        return False
 
 
 def report_peer_failure(reason: str) -> bool:

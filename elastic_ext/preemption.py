@@ -48,6 +48,8 @@ SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers |
 
 
 EXIT_HOLD_TIMEOUT = 1
+_PEER_LOST_POLL_S = 0.1
+"""How often a stopping worker looks whether its agent found a peer dead or hung."""
 """Exit status of a worker that waited for its own signal or for its agent, in vain."""
 
 _PEER_FAULT_PATTERNS = re.compile(
@@ -233,6 +235,11 @@ class PreemptionGuard:
         deadline_signal = 0
         while True:
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if timeout is not None and deadline_signal in self.settings.stop_signals:
+                if control.peer_lost():  # learned after the signal: stop waiting
+                    timeout, deadline = 0.0, time.monotonic()
+                else:
+                    timeout = min(timeout, _PEER_LOST_POLL_S)
             try:
                 readable, _, _ = select.select([self._reader], [], [], timeout)
             except (OSError, ValueError):
@@ -250,7 +257,7 @@ class PreemptionGuard:
                     if signum not in self.handled_signals:
                         continue
                     self._note(signum)
-                    candidate = time.monotonic() + self.settings.grace_for(signum)
+                    candidate = time.monotonic() + self._grace(signum)
                     if deadline is None or candidate < deadline:
                         deadline, deadline_signal = candidate, signum
                 continue
@@ -259,14 +266,26 @@ class PreemptionGuard:
             with self._lock:
                 phase = self._phase
             if phase is Phase.RUNNING:
-                logger.error("got %s but the step boundary was not reached within %.1fs (a peer is "
-                             "dead or frozen, or a step is slower than the grace); exiting without "
-                             "a snapshot", signal.Signals(deadline_signal).name,
-                             self.settings.grace_for(deadline_signal))
+                if deadline_signal in self.settings.stop_signals and control.peer_lost():
+                    logger.warning("got %s and the agent found a peer dead or hung: no step "
+                                   "boundary can be reached, exiting at once",
+                                   signal.Signals(deadline_signal).name)
+                else:
+                    logger.error("got %s but the step boundary was not reached within %.1fs (a "
+                                 "peer is dead or frozen, or a step is slower than the grace); "
+                                 "exiting without a snapshot", signal.Signals(deadline_signal).name,
+                                 self.settings.grace_for(deadline_signal))
                 exit_now(128 + deadline_signal)
             if phase is Phase.HOLDING:  # the main thread should have left already
                 exit_now(self._hold_code)
             deadline = None  # committing: the commit's own collectives have timeouts
+
+    def _grace(self, signum: int) -> float:
+        """A stop because a peer is dead or hung gets no grace: no step boundary can be
+        reached (every collective waits on that peer), so waiting only delays the restart."""
+        if signum in self.settings.stop_signals and control.peer_lost():
+            return 0.0
+        return self.settings.grace_for(signum)
 
     # -- the step boundary
     def agree(self, values: torch.Tensor | None = None,

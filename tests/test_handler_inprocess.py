@@ -9,6 +9,7 @@ sleeps or a test advances it, and the keeper ticks when the test says so.
 from __future__ import annotations
 
 import dataclasses
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,11 +18,12 @@ from torch.distributed import HashStore
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
-from elastic_ext.control import CONTROL_DIR_ENV, AgentControl, report_peer_failure
+from elastic_ext.control import CONTROL_DIR_ENV, AgentControl, peer_lost, report_peer_failure
 from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.rendezvous.errors import RestartBudgetExhaustedError, StoreUnavailableError
 from elastic_ext.rendezvous.handler import EtcdExtRendezvousHandler
 from elastic_ext.rendezvous.keeper import Keeper
+from elastic_ext.rendezvous.presence import PresenceListener
 from elastic_ext.rendezvous.state import NodeInfo, Phase, Reason, RunState, Status
 from tests.support.memory_backend import MemoryBackend, MemoryStore
 from tests.support.stores import settings_for
@@ -229,6 +231,61 @@ def test_a_workers_fault_report_makes_the_agent_leave_the_round(
     lab.advance(0.5, beating=("peer",))
     assert lab.handler.num_nodes_waiting() == 1
     assert lab.keeper.pressure.why == "a worker reported a peer fault"
+
+
+def test_a_fault_report_is_acted_on_at_the_agents_next_poll_not_the_next_tick(
+        make_lab, monkeypatch: pytest.MonkeyPatch) -> None:
+    lab = make_lab(nnodes=(1, 2))
+    join_with_peer(lab)
+    monkeypatch.setenv(CONTROL_DIR_ENV, str(lab.control.path))
+    assert report_peer_failure("rank 1: RuntimeError: Connection reset by peer")
+    assert lab.handler.num_nodes_waiting() == 1  # no keeper tick in between
+    leaving = lab.events("leaving_round")
+    assert [(e["round"], e["reason"]) for e in leaving] == [(1, "failure")]
+
+
+def test_a_stop_for_a_dead_peer_tells_the_workers_not_to_wait_for_a_step_boundary(
+        make_lab, monkeypatch: pytest.MonkeyPatch) -> None:
+    lab = make_lab(nnodes=(1, 2))
+    join_with_peer(lab)
+    monkeypatch.setenv(CONTROL_DIR_ENV, str(lab.control.path))
+    lab.advance(1.0, beating=("peer",))
+    assert not peer_lost()
+    lab.advance(3.0)  # the peer stops beating: dead
+    assert lab.handler.num_nodes_waiting() == 1 and peer_lost()
+    lab.handler.next_rendezvous()
+    assert not peer_lost()  # a new round starts clean
+
+
+def _refused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])  # closed on exit: connections are refused
+
+
+@pytest.mark.parametrize("peer_agent", ["gone", "alive"])
+def test_a_round_waits_for_a_silent_member_only_while_someone_listens_at_its_port(
+        make_lab, monkeypatch: pytest.MonkeyPatch, peer_agent: str) -> None:
+    lab = make_lab(nnodes=(1, 2))
+    listener = PresenceListener()
+    port = _refused_port() if peer_agent == "gone" else listener.port
+    lab.peer.beat("peer", port)
+    lab.put_state(dataclasses.replace(closed_round(("peer",)), phase=Phase.OPEN, order=()))
+    lab.handler.next_rendezvous()
+    lab.peer.beat("peer", port)
+    lab.keeper.tick()  # the keeper reads the peer's presence port from its heartbeat
+    monkeypatch.setenv(CONTROL_DIR_ENV, str(lab.control.path))
+    assert report_peer_failure("rank 1: RuntimeError: Connection reset by peer")
+    assert lab.handler.num_nodes_waiting() == 1
+    before = lab.clock.now
+    info = lab.handler.next_rendezvous()  # the peer never rejoins
+    listener.close()
+    assert (info.rank, info.world_size) == (0, 1)
+    waited = lab.clock.now - before
+    if peer_agent == "gone":
+        assert waited < 0.5, waited  # no last call for a node whose agent is gone
+    else:
+        assert waited >= 1.0, waited  # last_call_timeout for a live agent's rejoin
 
 
 def test_a_fault_report_while_the_store_is_down_still_releases_the_workers(

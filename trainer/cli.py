@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -78,6 +79,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> tuple[TrainSettings, st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    main_at = time.time()
     settings, level = parse_settings(argv)
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(level=level.upper(), stream=sys.stderr,
@@ -87,4 +89,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from trainer.train import run
 
-    return int(record(run)(settings) or 0)
+    return int(record(run)(settings, main_at=main_at) or 0)

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic_ext.preemption import GuardSettings, PreemptionGuard, exit_now
 from elastic_ext.snapshot import SnapshotError, SnapshotInfo, Snapshotter
+from elastic_ext.warm.worker import launched_at
 from trainer.data import DataPosition, next_batch, shard
 from trainer.metrics import MetricsLog
 from trainer.model import MODEL_SIZES, SyntheticTask, build_model, params_sha256
@@ -161,11 +162,14 @@ def _report_snapshot(metrics: MetricsLog, progress: Progress, step: int,
 class Trainer:
     """One worker's run: restore, train, snapshot, and stop on a signal."""
 
-    def __init__(self, settings: TrainSettings, guard: PreemptionGuard) -> None:
+    def __init__(self, settings: TrainSettings, guard: PreemptionGuard,
+                 main_at: float | None = None) -> None:
         self.settings = settings
         self.guard = guard
         self.env = DistEnv.from_environ()
+        self._times = {"launched_at": launched_at(), "main_at": main_at or time.time()}
         self.device = init_distributed(self.env, settings.collective_timeout)
+        self._times["pg_ready_at"] = time.time()
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         if settings.global_batch_size < self.world_size:
@@ -225,7 +229,8 @@ class Trainer:
     def run(self) -> int:
         s = self.settings
         resumed_from = self.restore()
-        self.metrics.emit("start", self.step, resumed_from=resumed_from)
+        self._times["restored_at"] = time.time()
+        self.metrics.emit("start", self.step, resumed_from=resumed_from, **self._times)
         logger.info("rank %d/%d pid %d starting at step %d (%s)", self.rank, self.world_size,
                     os.getpid(), self.step, "resumed" if resumed_from is not None else "fresh")
         self.progress.start(self.step, resumed_from, self._restored_age_s)
@@ -307,11 +312,12 @@ class Trainer:
             dist.destroy_process_group()
 
 
-def run(settings: TrainSettings) -> int:
+def run(settings: TrainSettings, main_at: float | None = None) -> int:
+    """Train; ``main_at`` is when the command line's ``main`` began (for the ``start`` event)."""
     guard = PreemptionGuard(GuardSettings(stop_grace_s=settings.stop_grace,
                                           preempt_grace_s=settings.preempt_grace,
                                           hold_timeout_s=settings.hold_timeout)).install()
-    trainer = Trainer(settings, guard)
+    trainer = Trainer(settings, guard, main_at)
     code = trainer.run()
     guard.uninstall()
     return code

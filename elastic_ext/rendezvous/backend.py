@@ -41,19 +41,29 @@ def unwrap_state(raw: bytes) -> bytes:
     return raw[len(STATE_MAGIC):]
 
 
-def heartbeat_value(counter: int) -> bytes:
-    """``counter:wall time``: the wall time is for operators (``elastic-ext status``), never
-    for liveness, which watches the counter."""
-    return f"{counter}:{time.time():.3f}".encode()
+def heartbeat_value(counter: int, presence_port: int | None = None) -> bytes:
+    """``counter:wall time[:presence port]``: the wall time is for operators (``elastic-ext
+    status``), never for liveness, which watches the counter; the port is where this
+    agent listens (``presence``)."""
+    value = f"{counter}:{time.time():.3f}"
+    return (value if presence_port is None else f"{value}:{presence_port}").encode()
 
 
 def parse_beat(value: bytes | None) -> tuple[int, float] | None:
     """(counter, wall time) of a heartbeat value; None for a missing, left or odd value."""
     try:
-        counter, stamp = (value or b"").decode().split(":")
+        counter, stamp, *_ = (value or b"").decode().split(":")
         return int(counter), float(stamp)
     except ValueError:
         return None
+
+
+def presence_port_of(value: bytes | None) -> int | None:
+    """The presence port a heartbeat value names, if any."""
+    parts = (value or b"").decode(errors="replace").split(":")
+    if len(parts) != 3 or not parts[2].isdigit() or not 0 < int(parts[2]) < 65536:
+        return None
+    return int(parts[2])
 
 
 class StoreBackend(ABC):
@@ -105,9 +115,9 @@ class StoreBackend(ABC):
         """
 
     @abstractmethod
-    def beat(self, node: str) -> None:
+    def beat(self, node: str, presence_port: int | None = None) -> None:
         """Advance ``node``'s heartbeat: store ``heartbeat_value`` of a counter that moves
-        at every call (on etcd the key expires with this agent)."""
+        at every call, and of ``presence_port`` (on etcd the key expires with this agent)."""
 
     @abstractmethod
     def leave(self, node: str) -> None:

@@ -152,9 +152,9 @@ class C10dBackend(StoreBackend):
             return None  # the key vanished; compare_set echoes the expected value
         return self._decode(result), result, False
 
-    def beat(self, node: str) -> None:
+    def beat(self, node: str, presence_port: int | None = None) -> None:
         self._beats += 1
-        self._set(f"hb/{node}", heartbeat_value(self._beats))
+        self._set(f"hb/{node}", heartbeat_value(self._beats, presence_port))
 
     def remove_run(self) -> None:
         current = self.get_state()

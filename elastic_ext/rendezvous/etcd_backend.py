@@ -82,9 +82,9 @@ class EtcdBackend(StoreBackend):
             return None
         return unwrap_state(kv.value), kv.mod_revision, False
 
-    def beat(self, node: str) -> None:
+    def beat(self, node: str, presence_port: int | None = None) -> None:
         self._beats += 1
-        self._put_beat(node, heartbeat_value(self._beats))
+        self._put_beat(node, heartbeat_value(self._beats, presence_port))
 
     def _put_beat(self, node: str, value: bytes) -> None:
         # Heartbeat keys hang on this agent's lease, so a dead agent's key disappears.

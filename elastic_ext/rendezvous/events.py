@@ -29,6 +29,7 @@ class EventKind(str, enum.Enum):
     STARTED = "started"  # store, hosts_store: this agent reached the store
     STATE = "state"  # note: this agent changed the run's state (round opened or closed, ...)
     JOINED = "joined"  # round, rank, world_size, master_addr, master_port
+    LEAVING_ROUND = "leaving_round"  # round, why, reason: this agent saw a reason to restart
     RESTART = "restart"  # after_round, why: this agent is back in the rendezvous
     NODE_DEAD = "node_dead"  # peer: its heartbeat stopped moving
     NODE_LEFT = "node_left"  # peer: it left cleanly

@@ -92,6 +92,7 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         self._control = control or AgentControl()
         self._metrics = metrics
         self._closes_with = list(closes_with)
+        self._addrs: dict[str, str] = {}  # every node's address seen in the state
         self._events = EventLog(settings.run_id, self._node, self._addr, events_file,
                                 listeners=[metrics.on_event] if metrics else [])
         self.keeper = Keeper(backend.clone(), self._node,
@@ -147,8 +148,7 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
             except StoreUnavailableError as exc:
                 self._wait_out_outage(exc, deadline)
                 continue
-            view = View(me=self._node, my_info=my_info,
-                        dead=self.keeper.dead_among(state.known_nodes()) if state else frozenset(),
+            view = View(me=self._node, my_info=my_info, dead=self._dead_or_gone(state),
                         completed=self._completed, min_reached_for=self._min_reached_for(state),
                         reenter_reason=reenter, fresh_generation=fresh_generation)
             decision = decide(state, view, self._limits)
@@ -184,6 +184,7 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         self._update_status(Status.CLOSED, f"closed by {self._node}")
 
     def num_nodes_waiting(self) -> int:
+        self.keeper.check_worker_report()
         return self.keeper.pressure.count
 
     def shutdown(self) -> bool:
@@ -238,10 +239,24 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
             logger.info("etcd-ext: last node out; removed the keys of run %s",
                         self._settings.run_id)
 
+    def _dead_or_gone(self, state: RunState | None) -> frozenset[str]:
+        """The keeper's dead, and in a round this node waits in, those of the nodes it
+        would wait for whose agent is gone for sure (``presence``)."""
+        if state is None:
+            return frozenset()
+        for node, info in {**state.members, **state.waiting}.items():
+            self._addrs[node] = info.addr
+        dead = self.keeper.dead_among(state.known_nodes())
+        if state.phase is not Phase.OPEN or self._node not in state.members:
+            return dead
+        awaited = (set(state.previous) | set(state.waiting)) - set(state.members) - dead
+        return dead | self.keeper.gone_among(awaited - {self._node}, self._addrs)
+
     def _start_keeper(self) -> None:
         if self._keeper_started:
             return
-        self._backend.beat(self._node)  # fail fast and clearly if the store is unreachable
+        # Fail fast and clearly if the store is unreachable.
+        self._backend.beat(self._node, self.keeper.presence_port)
         self.keeper.tick()
         if self._keeper_thread:
             self.keeper.start()

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from elastic_ext.control import AgentControl
-from elastic_ext.rendezvous.backend import StoreBackend
+from elastic_ext.rendezvous.backend import StoreBackend, presence_port_of
 from elastic_ext.rendezvous.clock import SYSTEM_CLOCK, Clock
 from elastic_ext.rendezvous.errors import CorruptStateError
 from elastic_ext.rendezvous.events import EventKind, EventLog
 from elastic_ext.rendezvous.liveness import LEFT, Liveness
+from elastic_ext.rendezvous.presence import PresenceListener, PresenceProbe
 from elastic_ext.rendezvous.state import Limits, Reason, RunState, restart_pressure
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,9 @@ class Keeper:
         self._reported_dead: set[str] = set()
         self._failing_since: float | None = None
         self._peers: frozenset[str] = frozenset()  # the last state's members and waiting
+        self._presence = PresenceListener()
+        self._probe = PresenceProbe()
+        self._ports: dict[str, int] = {}  # presence ports from the heartbeats last read
 
     # -- what the handler reads ---------------------------------------------------------
     @property
@@ -66,6 +71,17 @@ class Keeper:
     def dead_among(self, nodes: set[str]) -> frozenset[str]:
         with self._lock:
             return self._liveness.dead_among(nodes - {self._node})
+
+    @property
+    def presence_port(self) -> int:
+        return self._presence.port
+
+    def gone_among(self, nodes: Iterable[str], addrs: Mapping[str, str]) -> frozenset[str]:
+        """Nodes whose agent is gone for sure: their presence port refuses connections.
+        Called by the rendezvous for the nodes a round would otherwise wait for."""
+        with self._lock:
+            ports = {n: self._ports[n] for n in nodes if n in self._ports and n in addrs}
+        return frozenset(n for n, port in ports.items() if self._probe.gone(addrs[n], port))
 
     def peer_silence(self) -> dict[str, float]:
         """Seconds since each peer's heartbeat last moved, as this agent sees it, for the
@@ -90,6 +106,7 @@ class Keeper:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5 * self._interval + 5)
+        self._presence.close()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -99,7 +116,8 @@ class Keeper:
 
     def tick(self) -> None:
         try:
-            self._backend.beat(self._node)
+            self._presence.drain()
+            self._backend.beat(self._node, self._presence.port)
             current = self._backend.get_state()
             state = RunState.from_bytes(current[0]) if current else None
             nodes = state.known_nodes() - {self._node} if state else set()
@@ -126,6 +144,10 @@ class Keeper:
             self._failing_since = None
         with self._lock:
             self._liveness.observe(beats)
+            for node, value in beats.items():
+                port = presence_port_of(value)
+                if port is not None:
+                    self._ports[node] = port
             if state is not None:
                 self._liveness.forget(nodes)
                 self._peers = frozenset(set(state.members) | set(state.waiting)) - {self._node}
@@ -139,11 +161,32 @@ class Keeper:
             self._reported_dead |= dead
             if self._round is None or state is None:
                 return
+            lost = sorted(dead & set(state.order) - {self._node})
+            if lost:  # also after another reason came first: the stop must not wait on them
+                self._control.publish_peer_lost(self._round[1], f"dead or hung: {', '.join(lost)}")
             if self._pressure.count:
                 return  # sticky until the next round: the agent acts on the first reason
             count, why, reason = restart_pressure(
                 state, self._node, dead, self._limits, self._round,
                 self._control.fault_reported(self._round[1]) is not None)
             if count:
-                logger.info("etcd-ext: leaving round %d: %s", self._round[1], why)
-                self._pressure = Pressure(count, why, reason)
+                self._leave_round(Pressure(count, why, reason))
+
+    def check_worker_report(self) -> None:
+        """Act on a worker's peer-fault report now rather than at the next tick: the agent
+        polls ``num_nodes_waiting`` every tenth of a second, the keeper ticks every half."""
+        with self._lock:
+            if self._round is None or self._pressure.count:
+                return
+            if self._control.fault_reported(self._round[1]) is None:
+                return
+            self._leave_round(Pressure(1, "a worker reported a peer fault", Reason.FAILURE))
+
+    def _leave_round(self, pressure: Pressure) -> None:
+        """Record the first reason to restart this round's workers (under ``_lock``)."""
+        assert self._round is not None
+        logger.info("etcd-ext: leaving round %d: %s", self._round[1], pressure.why)
+        self._pressure = pressure
+        self._events.emit(EventKind.LEAVING_ROUND, f"leaving round {self._round[1]}: "
+                          f"{pressure.why}", round=self._round[1], why=pressure.why,
+                          reason=pressure.reason.value)

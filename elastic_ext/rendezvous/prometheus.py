@@ -187,9 +187,9 @@ class MeasuredBackend(StoreBackend):
         with self._metrics.request("set_state"):
             return self._inner.set_state(state, token)
 
-    def beat(self, node: str) -> None:
+    def beat(self, node: str, presence_port: int | None = None) -> None:
         with self._metrics.request("beat"):
-            self._inner.beat(node)
+            self._inner.beat(node, presence_port)
 
     def leave(self, node: str) -> None:
         with self._metrics.request("leave"):

@@ -90,9 +90,9 @@ class MemoryBackend(StoreBackend):
             return None
         return unwrap_state(found[0]), found[1], False
 
-    def beat(self, node: str) -> None:
+    def beat(self, node: str, presence_port: int | None = None) -> None:
         self._beats += 1
-        self._put_beat(node, heartbeat_value(self._beats))
+        self._put_beat(node, heartbeat_value(self._beats, presence_port))
 
     def _put_beat(self, node: str, value: bytes) -> None:
         with self.store.lock:
