@@ -257,6 +257,26 @@ def test_a_stop_for_a_dead_peer_tells_the_workers_not_to_wait_for_a_step_boundar
     assert not peer_lost()  # a new round starts clean
 
 
+def test_a_dead_peer_is_reported_to_the_workers_even_after_a_newer_round_came_first(
+        make_lab, monkeypatch: pytest.MonkeyPatch) -> None:
+    lab = make_lab(nnodes=(1, 3))
+    lab.peer.beat("peer")
+    lab.peer.beat("frozen")
+    lab.put_state(closed_round(("peer", "frozen"), round_=1))
+    lab.put_state(dataclasses.replace(lab.state(), phase=Phase.OPEN, order=()))
+    lab.handler.next_rendezvous()  # me, peer and frozen in round 1 ... as played below
+    monkeypatch.setenv(CONTROL_DIR_ENV, str(lab.control.path))
+    lab.advance(1.0, beating=("peer", "frozen"))
+    current = lab.state()
+    lab.put_state(dataclasses.replace(current, round=current.round + 1, phase=Phase.OPEN,
+                                      order=(), previous=current.order,
+                                      members={"peer": current.members["peer"]}))
+    lab.advance(0.5, beating=("peer",))  # the peer opened a round before we judged
+    assert "replaced" in lab.keeper.pressure.why and not peer_lost()
+    lab.advance(3.0, beating=("peer",))  # now our own clock finds "frozen" dead
+    assert peer_lost()
+
+
 def _refused_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -161,7 +161,8 @@ class Keeper:
             self._reported_dead |= dead
             if self._round is None or state is None:
                 return
-            lost = sorted(dead & set(state.order) - {self._node})
+            # Our workers' round is the state's, or the one a newer open round replaced.
+            lost = sorted(dead & (set(state.order) | set(state.previous)) - {self._node})
             if lost:  # also after another reason came first: the stop must not wait on them
                 self._control.publish_peer_lost(self._round[1], f"dead or hung: {', '.join(lost)}")
             if self._pressure.count:
