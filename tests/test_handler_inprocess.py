@@ -47,6 +47,24 @@ class FakeClock:
             hook()
 
 
+class FakeStarter:
+    """The warm-start server as the handler sees it: how long it takes to be ready."""
+
+    def __init__(self, ready_after: float) -> None:
+        self.clock = FakeClock()  # the lab's, once it exists
+        self.ready_after = ready_after
+        self.waits: list[float] = []
+        self.closed = False
+
+    def wait_ready(self, timeout: float) -> bool:
+        self.waits.append(timeout)
+        self.clock.now += min(self.ready_after, timeout)
+        return self.ready_after <= timeout
+
+    def close(self) -> None:
+        self.closed = True
+
+
 @dataclasses.dataclass
 class Lab:
     """One agent under test, the store it shares with simulated peers, and its clock."""
@@ -89,7 +107,8 @@ class Lab:
 def make_lab(tmp_path: Path) -> Iterator[Callable[..., Lab]]:
     labs: list[Lab] = []
 
-    def make(nnodes: tuple[int, int] = (1, 1), transient: bool = True, **conf: str) -> Lab:
+    def make(nnodes: tuple[int, int] = (1, 1), transient: bool = True,
+             starter: FakeStarter | None = None, **conf: str) -> Lab:
         conf.setdefault("join_timeout", "30")
         settings = settings_for("127.0.0.1:2379", "run1", nnodes, **conf)
         store = MemoryStore()
@@ -100,7 +119,7 @@ def make_lab(tmp_path: Path) -> Iterator[Callable[..., Lab]]:
         handler = EtcdExtRendezvousHandler(
             settings, MemoryBackend(store, transient=transient), backend_name="etcd-ext",
             events_file=events_file, node_id=ME, control=control, clock=clock,
-            keeper_thread=False)
+            keeper_thread=False, starter=starter)
         lab = Lab(store, MemoryBackend(store), MemoryBackend(store), clock, handler, events_file,
                   control)
         labs.append(lab)
@@ -275,6 +294,35 @@ def test_a_dead_peer_is_reported_to_the_workers_even_after_a_newer_round_came_fi
     assert "replaced" in lab.keeper.pressure.why and not peer_lost()
     lab.advance(3.0, beating=("peer",))  # now our own clock finds "frozen" dead
     assert peer_lost()
+
+
+def test_a_newcomer_to_a_running_job_asks_to_join_once_its_workers_can_start_warm(
+        make_lab) -> None:
+    starter = FakeStarter(ready_after=2.0)
+    lab = make_lab(nnodes=(1, 3), starter=starter)
+    starter.clock = lab.clock
+    lab.peer.beat("peer")
+    lab.put_state(closed_round(("peer",)))  # a job that trains without us
+    began = lab.clock.now
+    asked_at: list[float] = []
+    lab.clock.on_sleep.append(lambda: lab.peer.beat("peer"))
+    lab.clock.on_sleep.append(lab.keeper.tick)  # the peer stays alive in our eyes
+    lab.clock.on_sleep.append(lambda: asked_at.append(lab.clock.now)
+                              if ME in lab.state().waiting and not asked_at else None)
+    with pytest.raises(RendezvousTimeoutError):
+        lab.handler.next_rendezvous()  # nobody plays the peer's restart: we only wait
+    assert starter.waits == [60.0]
+    assert asked_at and asked_at[0] >= began + 2.0  # it asked only after its starter was ready
+    lab.handler.shutdown()
+    assert starter.closed
+
+
+def test_nodes_starting_a_job_together_do_not_wait_for_their_starters(make_lab) -> None:
+    starter = FakeStarter(ready_after=2.0)
+    lab = make_lab(starter=starter)
+    starter.clock = lab.clock
+    lab.handler.next_rendezvous()
+    assert starter.waits == []
 
 
 def _refused_port() -> int:

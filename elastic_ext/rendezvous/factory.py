@@ -70,4 +70,4 @@ def build_handler(params: RendezvousParameters, backend_name: str) -> EtcdExtRen
     return EtcdExtRendezvousHandler(
         settings, backend, backend_name=backend_name, metrics=metrics,
         events_file=Path(settings.events_file) if settings.events_file else None,
-        closes_with=[warm] if warm is not None else [])
+        starter=warm)

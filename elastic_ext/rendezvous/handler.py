@@ -13,7 +13,6 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
@@ -63,8 +62,18 @@ def make_node_id() -> str:
     return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-class SupportsClose(Protocol):
-    def close(self) -> None: ...
+STARTER_READY_TIMEOUT_S = 60.0
+"""The longest a node joining a running job waits for its warm-start server."""
+
+
+class WorkerStarter(Protocol):
+    """What the agent owns to start its workers (the warm-start server)."""
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Block until workers can start fast, at most ``timeout`` seconds; False if not."""
+
+    def close(self) -> None:
+        """Stop it; the agent is leaving."""
 
 
 class EtcdExtRendezvousHandler(RendezvousHandler):
@@ -72,15 +81,16 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
 
     ``node_id``, ``control``, ``clock`` and ``keeper_thread=False`` are for tests: a
     fixed name, a control directory of their own, simulated time, and a keeper they
-    tick themselves. ``closes_with`` are what the agent owns for its workers (the
-    warm-start server): closed when the handler shuts down.
+    tick themselves. ``starter`` is what starts the workers fast (the warm-start
+    server): a node joining a running job waits for it before it makes the job restart,
+    and it is closed when the handler shuts down.
     """
 
     def __init__(self, settings: Settings, backend: StoreBackend, *, backend_name: str,
                  events_file: Path | None = None, node_id: str | None = None,
                  control: AgentControl | None = None, clock: Clock = SYSTEM_CLOCK,
                  keeper_thread: bool = True, metrics: AgentMetrics | None = None,
-                 closes_with: Sequence[SupportsClose] = ()) -> None:
+                 starter: WorkerStarter | None = None) -> None:
         self._settings = settings
         self._backend = backend
         self._backend_name = backend_name
@@ -91,7 +101,7 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
                               settings.timeouts.last_call, settings.max_restarts)
         self._control = control or AgentControl()
         self._metrics = metrics
-        self._closes_with = list(closes_with)
+        self._starter = starter
         self._addrs: dict[str, str] = {}  # every node's address seen in the state
         self._events = EventLog(settings.run_id, self._node, self._addr, events_file,
                                 listeners=[metrics.on_event] if metrics else [])
@@ -131,6 +141,8 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         self._start_keeper()
+        if self._completed is None:
+            self._wait_for_starter_before_joining_a_running_job()
         pressure = self.keeper.pressure
         reenter = pressure.reason if self._completed else Reason.START
         if self._completed:
@@ -209,8 +221,8 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
             self._backend.close()
             if self._metrics is not None:
                 self._metrics.close()
-            for owned in self._closes_with:
-                owned.close()
+            if self._starter is not None:
+                self._starter.close()
 
     # -- internals ---------------------------------------------------------------------------
     def _wait_out_outage(self, exc: StoreUnavailableError, deadline: float) -> None:
@@ -238,6 +250,26 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
             self._backend.remove_run()
             logger.info("etcd-ext: last node out; removed the keys of run %s",
                         self._settings.run_id)
+
+    def _wait_for_starter_before_joining_a_running_job(self) -> None:
+        """A newcomer to a job that trains makes every node restart its workers the moment
+        it asks to join; it asks once its own workers can start fast, so the others train
+        on meanwhile instead of waiting for its imports. (At a job's start everyone waits
+        for everyone anyway, so nobody waits for this.)"""
+        if self._starter is None:
+            return
+        try:
+            state, _ = self._read()
+        except StoreUnavailableError:
+            return
+        if state is None or state.phase is not Phase.CLOSED or state.status is not Status.ACTIVE \
+                or self._node in state.members:
+            return
+        began = self._clock.monotonic()
+        ready = self._starter.wait_ready(STARTER_READY_TIMEOUT_S)
+        logger.info("etcd-ext: joining the running job %s after %.1fs for its workers' warm start"
+                    "%s", self._settings.run_id, self._clock.monotonic() - began,
+                    "" if ready else " (not ready; joining anyway)")
 
     def _dead_or_gone(self, state: RunState | None) -> frozenset[str]:
         """The keeper's dead, and in a round this node waits in, those of the nodes it

@@ -17,6 +17,7 @@ import tempfile
 
 from elastic_ext.torch_compat import WorkerCommand
 from elastic_ext.warm import OFF, SOCKET_ENV
+from elastic_ext.warm.status import query_status
 from elastic_ext.warm.target import Target, UsageError, parse_command
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,11 @@ class WarmStartServer:
             return None
         target = warm_target(command)
         return None if target is None else cls(target, preload)
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Block until the server has done its imports (it answers a status query only
+        then), at most ``timeout`` seconds; False if it did not answer."""
+        return query_status(self.socket_path, timeout) is not None
 
     def close(self) -> None:
         """Stop the server (it exits on EOF of its stdin) and remove its socket."""
