@@ -294,6 +294,10 @@ def test_a_dead_peer_is_reported_to_the_workers_even_after_a_newer_round_came_fi
     assert "replaced" in lab.keeper.pressure.why and not peer_lost()
     lab.advance(3.0, beating=("peer",))  # now our own clock finds "frozen" dead
     assert peer_lost()
+    lab.clock.on_sleep.append(lambda: lab.peer.beat("peer"))
+    lab.handler.next_rendezvous()  # the round without "frozen"
+    lab.advance(3.5, beating=("peer",))  # "frozen" still silent, judged dead again
+    assert not peer_lost()  # but it is not in this round: a stop here may save
 
 
 def test_a_newcomer_to_a_running_job_asks_to_join_once_its_workers_can_start_warm(

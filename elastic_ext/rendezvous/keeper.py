@@ -22,7 +22,7 @@ from elastic_ext.rendezvous.errors import CorruptStateError
 from elastic_ext.rendezvous.events import EventKind, EventLog
 from elastic_ext.rendezvous.liveness import LEFT, Liveness
 from elastic_ext.rendezvous.presence import PresenceListener, PresenceProbe
-from elastic_ext.rendezvous.state import Limits, Reason, RunState, restart_pressure
+from elastic_ext.rendezvous.state import Limits, Phase, Reason, RunState, restart_pressure
 
 logger = logging.getLogger(__name__)
 
@@ -161,8 +161,7 @@ class Keeper:
             self._reported_dead |= dead
             if self._round is None or state is None:
                 return
-            # Our workers' round is the state's, or the one a newer open round replaced.
-            lost = sorted(dead & (set(state.order) | set(state.previous)) - {self._node})
+            lost = sorted(dead & self._members_of_our_round(state) - {self._node})
             if lost:  # also after another reason came first: the stop must not wait on them
                 self._control.publish_peer_lost(self._round[1], f"dead or hung: {', '.join(lost)}")
             if self._pressure.count:
@@ -172,6 +171,19 @@ class Keeper:
                 self._control.fault_reported(self._round[1]) is not None)
             if count:
                 self._leave_round(Pressure(count, why, reason))
+
+    def _members_of_our_round(self, state: RunState) -> set[str]:
+        """Who our workers train with: the state's round, or the one a newer open round
+        replaced (under ``_lock``, with a round watched)."""
+        assert self._round is not None
+        generation, round_ = self._round
+        if state.generation != generation:
+            return set()
+        if state.round == round_:
+            return set(state.order)
+        if state.round == round_ + 1 and state.phase is Phase.OPEN:
+            return set(state.previous)
+        return set()
 
     def check_worker_report(self) -> None:
         """Act on a worker's peer-fault report now rather than at the next tick: the agent
