@@ -25,7 +25,8 @@ time is broken down from the agents' events (``events_file``) and the trainer's
   step     -> the first step in the new world
 
 Usage: python benchmarks/recovery.py [--reps 5] [--stock-reps 2] [--timeout 180]
-Prints the totals (median, min, max, runs that never recovered) and the breakdown
+Prints the totals (median, min, max, runs that never recovered, and how long training
+paused: the old world's last step to the new world's first) and the breakdown
 (medians). Run it on an otherwise idle machine.
 """
 
@@ -67,6 +68,9 @@ def rendezvous_reached(log: str) -> float | None:
 class Outcome:
     total: float | None
     phases: dict[str, float] = field(default_factory=dict)
+    paused: float | None = None
+    """Seconds between the old world's last step and the new world's first: what the
+    job lost (for a scale-up, the fault-to-step time also counts the newcomer's start)."""
 
 
 def _times(nodes: list[Node], kind: EventKind, after: float) -> list[float]:
@@ -128,7 +132,10 @@ def one_run(mode: str, scenario: str, workdir: Path, timeout: float,
             reached = rendezvous_reached(victim.proc.output())
             fault_at = reached if reached is not None else fault_at
         phases = breakdown(fault_at, survivors, metrics, event) if mode != "stock" else {}
-        return Outcome(event["time"] - fault_at, phases)
+        old_steps = [e["time"] for e in read_json_lines(metrics) if e.get("event") == "step"
+                     and e["world_size"] == start_nodes and e["time"] < event["time"]]
+        paused = event["time"] - max(old_steps) if old_steps else None
+        return Outcome(event["time"] - fault_at, phases, paused)
 
 
 def _fmt(values: list[float]) -> tuple[str, str, str]:
@@ -166,15 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     label = {"stock": "stock c10d", "cold": "etcd-ext, cold start", "warm": "etcd-ext, warm start"}
     print(f"\nRecovery: seconds from the fault to the first step in the new world "
           f"(timeout {args.timeout:g}s)\n")
-    print("| scenario | mode | runs | median | min | max | never recovered |")
-    print("|---|---|---|---|---|---|---|")
+    print("| scenario | mode | runs | median | min | max | never recovered | training paused "
+          "(median) |")
+    print("|---|---|---|---|---|---|---|---|")
     for scenario in scenarios:
         for mode in modes:
             outcomes = results.get((mode, scenario), [])
             ok = [o.total for o in outcomes if o.total is not None]
             median, low, high = _fmt(ok)
+            paused = [o.paused for o in outcomes if o.paused is not None]
+            shown = f"{statistics.median(paused):.2f}" if paused else "-"
             print(f"| {scenario} | {label[mode]} | {len(outcomes)} | {median} | {low} | {high} | "
-                  f"{len(outcomes) - len(ok)} |")
+                  f"{len(outcomes) - len(ok)} | {shown} |")
     print("\nWhere the time goes (etcd-ext; medians in seconds; see the module docstring)\n")
     print("| scenario | mode | " + " | ".join(PHASES) + " | total |")
     print("|---|---|" + "---|" * (len(PHASES) + 1))

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 from elastic_ext.torch_compat import WorkerCommand
 from elastic_ext.warm import OFF, SOCKET_ENV
@@ -26,6 +27,8 @@ LAUNCHER_MODULE = "elastic_ext.warm"
 SELF_LAUNCHING = frozenset({"trainer"})
 """Modules whose own entry hands off to the server (``launcher.hand_off``)."""
 _CLOSE_WAIT_S = 5.0
+_READY_POLL_S = 1.0
+"""How often ``wait_ready`` looks whether the server is still alive."""
 
 
 def warm_target(command: WorkerCommand | None) -> Target | None:
@@ -88,8 +91,20 @@ class WarmStartServer:
 
     def wait_ready(self, timeout: float) -> bool:
         """Block until the server has done its imports (it answers a status query only
-        then), at most ``timeout`` seconds; False if it did not answer."""
-        return query_status(self.socket_path, timeout) is not None
+        then), at most ``timeout`` seconds; False if it did not answer, at once if it exited
+        (an import that killed it: the workers start cold, each with a warning)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                logger.warning("etcd-ext: warm-start server %d exited (status %s) before it was "
+                               "ready; workers start cold", self._proc.pid, code)
+                return False
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            if query_status(self.socket_path, min(remaining, _READY_POLL_S)) is not None:
+                return True
 
     def close(self) -> None:
         """Stop the server (it exits on EOF of its stdin) and remove its socket."""

@@ -48,10 +48,17 @@ def request_for(target: Target, args: list[str]) -> RunRequest:
                       launched_at=process_start_time(os.getpid()))
 
 
+_went_cold = False
+"""Set once this process runs its target itself: a target that hands off in turn (the
+bundled trainer, run as ``-m elastic_ext.warm -m trainer``) then runs cold as well,
+instead of asking the server again and warning twice."""
+
+
 def hand_off(target: Target, args: list[str]) -> None:
     """Have this node's warm-start server run ``target``; returns only when this process
     must run it itself: no server (cold), or this already is the forked worker."""
-    if in_warm_worker():
+    global _went_cold
+    if in_warm_worker() or _went_cold:
         return
     path = os.environ.get(SOCKET_ENV)
     if not path or path == OFF:
@@ -59,6 +66,7 @@ def hand_off(target: Target, args: list[str]) -> None:
     status = Launch(path).run(request_for(target, args))
     if status is not None:
         exit_with_status(status)
+    _went_cold = True
 
 
 class Launch:
@@ -79,20 +87,26 @@ class Launch:
         try:
             try:
                 sock.connect(self.socket_path)
-                send_message(sock, request.to_message(), fds=(0, 1, 2))
             except OSError as exc:
                 self._cold(f"the warm-start server at {self.socket_path} is not there ({exc})")
+                return None
+            try:
+                send_message(sock, request.to_message(), fds=_standard_fds())
+            except (OSError, ProtocolError) as exc:
+                self._cold(f"could not send the request to the warm-start server ({exc})")
                 return None
             return self._wait(sock, wake_r)
         finally:
             signal.set_wakeup_fd(previous_wakeup)
+            if self.worker is None:  # cold: signals that came meanwhile are this process's
+                self._pending.extend(_drain(wake_r))
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             for s in (sock, wake_r, wake_w):
                 s.close()
             if self.worker is None:
-                for pending in self._pending:  # cold now: what came meanwhile is ours
-                    os.kill(os.getpid(), pending)
+                for pending in dict.fromkeys(self._pending):
+                    signal.raise_signal(pending)
 
     def _wait(self, sock: socket.socket, wake_r: socket.socket) -> int | None:
         selector = selectors.DefaultSelector()
@@ -134,15 +148,24 @@ class Launch:
         if "refused" in message:
             self._cold(f"the warm-start server refused: {message['refused']}")
             return -1
-        if "pid" in message:
-            self.worker = int(message["pid"])
-            for signum in self._pending:
-                self._relay(signum)
-            self._pending.clear()
-            return None
-        if "status" in message:
-            return int(message["status"])
-        return None
+        try:
+            if "pid" in message and self.worker is None:
+                pid = int(message["pid"])
+                if pid <= 1:
+                    raise ValueError(f"no worker has pid {pid}")
+                self.worker = pid
+                for signum in self._pending:
+                    self._relay(signum)
+                self._pending.clear()
+            elif "status" in message and self.worker is not None:
+                return int(message["status"]) & 0xFFFF
+            return None  # nothing this launcher knows of: a newer server's news
+        except (TypeError, ValueError, OverflowError) as exc:
+            logger.error("etcd-ext warm start: the server sent %s: %s", str(message)[:200], exc)
+        if self.worker is None:
+            self._cold("the warm-start server's reply was not one of its protocol")
+            return -1
+        return self._server_lost()
 
     def _relay(self, signum: int) -> None:
         if self.worker is None:
@@ -152,7 +175,7 @@ class Launch:
             try:
                 kill(self.worker, signum)
                 return
-            except ProcessLookupError:
+            except OSError:  # no such group (yet, or any more)
                 continue
 
     def _server_lost(self) -> int:
@@ -164,6 +187,33 @@ class Launch:
 
     def _cold(self, why: str) -> None:
         logger.warning("etcd-ext warm start: %s; this worker starts cold", why)
+
+
+def _standard_fds() -> tuple[int, ...]:
+    """Descriptors 0, 1 and 2 for the worker: ``/dev/null`` for a closed one (as good as
+    closed to a Python worker, and a closed one would fail the whole request)."""
+    fds = []
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            fd = os.open(os.devnull, os.O_RDWR)  # open until this process ends
+        fds.append(fd)
+    return tuple(fds)
+
+
+def _drain(wake_r: socket.socket) -> list[int]:
+    """Signal numbers the wakeup descriptor holds, not yet relayed."""
+    wake_r.setblocking(False)
+    got: list[int] = []
+    while True:
+        try:
+            chunk = wake_r.recv(256)
+        except (BlockingIOError, InterruptedError):
+            return got
+        if not chunk:
+            return got
+        got.extend(chunk)
 
 
 def _ignore_here(signum: int, frame: object) -> None:
@@ -179,20 +229,38 @@ def _pidfd(pid: int) -> int | None:
         return None
 
 
+_NOT_FATAL = frozenset({signal.SIGCHLD, signal.SIGCONT, signal.SIGURG, signal.SIGWINCH,
+                        signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU})
+"""Signals whose default action ignores or stops: raised here, they would not end this."""
+
+
 def exit_with_status(status: int) -> NoReturn:
-    """Leave as the worker left: its exit code, or death by its signal."""
+    """Leave as the worker left: its exit code, or death by its signal (without a second
+    core dump: the worker wrote one if its limits asked for it)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):
+        except (AttributeError, OSError, ValueError):
             pass
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)
-        signal.signal(signum, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
-        os.kill(os.getpid(), signum)
-        os._exit(128 + signum)
-    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+        try:
+            _, hard = resource.getrlimit(resource.RLIMIT_CORE)
+            resource.setrlimit(resource.RLIMIT_CORE, (0, hard))
+        except (OSError, ValueError):
+            pass
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):  # no handler to reset for those
+            try:
+                signal.signal(signum, signal.SIG_DFL)
+            except (OSError, ValueError):
+                pass
+        if signum not in _NOT_FATAL:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+            signal.raise_signal(signum)  # delivered to this thread before it returns
+        os._exit(128 + signum)  # a signal that ends no process (a garbled status)
+    if os.WIFEXITED(status):
+        os._exit(os.WEXITSTATUS(status))
+    os._exit(1)  # not a status of an ended process
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,12 @@
 Running the target's main file would start training in the server, so its imports
 are read from its source (``ast``), anywhere in the file, function bodies included
 (the bundled trainer imports torch inside ``main`` so that ``--help`` is fast); the
-target's own package's modules are followed the same way. Each import is tried on
-its own: one that fails here fails again, with its real traceback, in the worker.
+target's own package's modules are followed the same way. The target itself is never
+imported: of ``-m pkg.mod`` only the packages ``python`` imports before it runs the
+module (``pkg``; and ``pkg`` itself for ``-m pkg``, whose ``__main__`` runs). Each
+import is tried on its own: one that fails here fails again, with its real traceback,
+in the worker. An import after which this process has more threads is remembered
+(:func:`thread_starters`), so that a refusal to fork can name it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import importlib.util
 import logging
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from elastic_ext.warm.target import Target
 
@@ -63,7 +67,23 @@ def imports_in(path: str, package: str | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+_thread_starters: list[str] = []
+
+
+def thread_starters() -> list[str]:
+    """The modules after whose import (by this preload) the process had more threads."""
+    return list(_thread_starters)
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
 def _try_import(name: str) -> bool:
+    before = _threads()
     try:
         importlib.import_module(name)
         return True
@@ -71,10 +91,16 @@ def _try_import(name: str) -> bool:
         logger.debug("warm preload: import %s failed (%s); the worker will import it itself",
                      name, exc)
         return False
+    finally:
+        if _threads() > before and name not in _thread_starters:
+            _thread_starters.append(name)
 
 
-def _walk(start: Iterable[tuple[str, str | None]], home: str | None) -> list[str]:
-    """Import what each file imports, following modules of the ``home`` top-level package."""
+def _walk(start: Iterable[tuple[str, str | None]], home: str | None, *, skip: str,
+          keep_going: Callable[[], bool]) -> list[str]:
+    """Import what each file imports, following modules of the ``home`` top-level package;
+    never ``skip`` (the target: importing it would run it), and nothing more once
+    ``keep_going`` says no."""
     done: list[str] = []
     seen_files: set[str] = set()
     todo = list(start)
@@ -84,8 +110,10 @@ def _walk(start: Iterable[tuple[str, str | None]], home: str | None) -> list[str
             continue
         seen_files.add(path)
         for name in imports_in(path, package):
-            if name in done or name == "__main__":
+            if name in done or name in ("__main__", skip):
                 continue
+            if not keep_going():
+                return done
             if _try_import(name):
                 done.append(name)
             if home and name.split(".")[0] == home:
@@ -96,24 +124,47 @@ def _walk(start: Iterable[tuple[str, str | None]], home: str | None) -> list[str
     return done
 
 
-def preload(target: Target, extra: Iterable[str] = ()) -> list[str]:
-    """Import ``target``'s imports and ``extra`` modules; the names imported."""
+def _is_package(module: str) -> bool:
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and spec.submodule_search_locations is not None
+
+
+def preload(target: Target, extra: Iterable[str] = (),
+            keep_going: Callable[[], bool] = lambda: True) -> list[str]:
+    """Import ``target``'s imports and ``extra`` modules; the names imported. Stops early
+    (with what it has) once ``keep_going`` returns False: nobody will use it any more."""
     done: list[str] = []
     if target.kind == "module":
         top = target.name.split(".")[0]
         spec_source = _source_of(target.name)
         parent = target.name.rpartition(".")[0]
-        for package in (parent, target.name):
-            if package and _source_of(package) is not None and _try_import(package):
+        # What ``python -m`` imports before it runs the target: its parent packages, and
+        # the target itself only when it is a package (``__main__`` is what runs). A plain
+        # module is the main file: importing it would run it.
+        packages = [parent] if parent else []
+        skip = target.name
+        if _is_package(target.name):
+            packages.append(target.name)
+            skip = f"{target.name}.__main__"
+        for package in packages:
+            if _source_of(package) is not None and _try_import(package):
                 done.append(package)
         package = target.name if spec_source and spec_source.endswith("__main__.py") else parent
         if spec_source is not None:
-            done += _walk([(spec_source, package or None)], top)
+            done += _walk([(spec_source, package or None)], top, skip=skip,
+                          keep_going=keep_going)
     else:
         script = os.path.abspath(target.name)
         sys.path.insert(0, os.path.dirname(script))
-        done += _walk([(script, None)], None)
+        # A sibling module that imports the script by name would run it: never that name.
+        stem = os.path.splitext(os.path.basename(script))[0]
+        done += _walk([(script, None)], None, skip=stem, keep_going=keep_going)
     for name in (*extra, *(LAZY_HEAVY if "torch" in sys.modules else ())):
+        if not keep_going():
+            break
         if name and name not in done and _try_import(name):
             done.append(name)
     return done

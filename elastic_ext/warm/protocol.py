@@ -13,6 +13,7 @@ its first byte. Messages:
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
 from collections.abc import Sequence
@@ -49,24 +50,54 @@ class RunRequest:
 
     @classmethod
     def from_message(cls, message: dict[str, Any]) -> RunRequest:
+        """The request in ``message``, checked as strictly as the worker will use it.
+
+        Raises:
+            ProtocolError: a field is missing, of the wrong type or out of range.
+        """
         try:
+            argv, env, rlimits = message["argv"], message["env"], message.get("rlimits", {})
+            if not isinstance(argv, list) or not isinstance(env, dict) \
+                    or not isinstance(rlimits, dict):
+                raise TypeError("argv must be a list, env and rlimits objects")
             request = cls(kind=str(message["kind"]), name=str(message["name"]),
-                          argv=[str(a) for a in message["argv"]],
-                          env={str(k): str(v) for k, v in dict(message["env"]).items()},
+                          argv=[str(a) for a in argv],
+                          env={str(k): str(v) for k, v in env.items()},
                           cwd=str(message["cwd"]), umask=int(message["umask"]),
-                          rlimits={str(k): [int(v[0]), int(v[1])]
-                                   for k, v in dict(message.get("rlimits", {})).items()},
+                          rlimits={str(k): _limit_pair(v) for k, v in rlimits.items()},
                           launched_at=float(message.get("launched_at", 0.0)))
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
             raise ProtocolError(f"malformed run request: {exc!r}") from exc
         if request.kind not in ("module", "path"):
             raise ProtocolError(f"unknown target kind {request.kind!r}")
+        if not request.name or "\0" in request.name:
+            raise ProtocolError("the request names no module or script")
+        if not 0 <= request.umask <= 0o777:
+            raise ProtocolError(f"umask {request.umask:#o} is not a umask")
+        if "\0" in request.cwd or not request.cwd.startswith("/"):
+            raise ProtocolError(f"cwd {request.cwd!r} is not an absolute path")
+        for key, value in request.env.items():  # what the worker's putenv would refuse
+            if not key or "=" in key or "\0" in key or "\0" in value:
+                raise ProtocolError(f"environment variable {key!r} cannot be set")
         return request
 
 
+def _limit_pair(value: Any) -> list[int]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise TypeError(f"a resource limit is [soft, hard], not {value!r}")
+    return [int(value[0]), int(value[1])]
+
+
 def send_message(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
-    """Send one message; ``fds`` travel with its first byte."""
+    """Send one message; ``fds`` travel with its first byte.
+
+    Raises:
+        ProtocolError: the message is larger than the receiver accepts.
+        OSError: the socket failed.
+    """
     data = json.dumps(message).encode()
+    if len(data) > MAX_MESSAGE:
+        raise ProtocolError(f"a {len(data)}-byte message is over the {MAX_MESSAGE}-byte limit")
     framed = _HEADER.pack(len(data)) + data
     if fds:
         socket.send_fds(sock, [framed[:1]], list(fds))
@@ -106,19 +137,20 @@ def recv_message(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any] 
         (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size, first))
         if size > MAX_MESSAGE:
             raise ProtocolError(f"a {size}-byte message is not one of ours")
-        message = json.loads(_recv_exact(sock, size))
+        try:
+            message = json.loads(_recv_exact(sock, size))
+        except (ValueError, RecursionError) as exc:  # RecursionError: [[[[... nested too deep
+            raise ProtocolError(f"not a JSON message: {exc}") from exc
         if not isinstance(message, dict):
             raise ProtocolError("a message must be a JSON object")
-    except (ProtocolError, ValueError) as exc:
+    except BaseException:  # a timeout or a bad message: the descriptors are nobody's
         for fd in fds:
             _close_quietly(fd)
-        raise ProtocolError(str(exc)) from exc
+        raise
     return message, fds
 
 
 def _close_quietly(fd: int) -> None:
-    import os
-
     try:
         os.close(fd)
     except OSError:

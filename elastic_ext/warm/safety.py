@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -30,15 +31,21 @@ class ForkSafety:
     python_threads: list[str]
     cuda_initialized: bool
     process_group: bool
+    thread_imports: list[str] = field(default_factory=list)
+    """Modules after whose import there were more threads (``preload.thread_starters``):
+    where to look when a hazard is a thread."""
 
     @property
     def hazards(self) -> list[str]:
         found = []
+        suspects = (f" (threads appeared while importing {', '.join(self.thread_imports)})"
+                    if self.thread_imports else "")
         if self.python_threads:
-            found.append(f"Python threads running: {', '.join(self.python_threads)}")
+            found.append(f"Python threads running: {', '.join(self.python_threads)}{suspects}")
         if self.threads > self.allowed_threads:
             found.append(f"{self.threads - self.allowed_threads} native thread(s) started by an "
-                         "import (a thread pool, or a library that ran a parallel operation)")
+                         "import (a thread pool, or a library that ran a parallel operation)"
+                         + ("" if self.python_threads else suspects))
         if self.cuda_initialized:
             found.append("CUDA was initialised at import")
         if self.process_group:
@@ -49,15 +56,17 @@ class ForkSafety:
         return {**asdict(self), "hazards": self.hazards}
 
 
-def check(allowed_threads: int) -> ForkSafety:
-    """This process's fork hazards now; touches no device (``is_initialized`` only reads)."""
+def check(allowed_threads: int, thread_imports: Sequence[str] = ()) -> ForkSafety:
+    """This process's fork hazards now; touches no device (``is_initialized`` only reads).
+    ``thread_imports``: the imports to name if threads are a hazard."""
     torch = sys.modules.get("torch")
     cuda = bool(torch is not None and torch.cuda.is_initialized())
     dist = sys.modules.get("torch.distributed")
     group = bool(dist is not None and dist.is_available() and dist.is_initialized())
     python_threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     return ForkSafety(threads=native_threads(), allowed_threads=allowed_threads,
-                      python_threads=python_threads, cuda_initialized=cuda, process_group=group)
+                      python_threads=python_threads, cuda_initialized=cuda, process_group=group,
+                      thread_imports=list(thread_imports))
 
 
 def baseline_threads() -> int:

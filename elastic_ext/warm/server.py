@@ -15,6 +15,7 @@ import argparse
 import ctypes
 import logging
 import os
+import select
 import selectors
 import signal
 import socket
@@ -146,7 +147,12 @@ class Server:
 
     def check(self) -> safety.ForkSafety:
         """This process's fork hazards now."""
-        return safety.check(self.allowed_threads)
+        return safety.check(self.allowed_threads, preload.thread_starters())
+
+    def agent_alive(self) -> bool:
+        """False once the agent is gone (its pidfd is readable): then nothing is worth doing."""
+        ready, _, _ = select.select([self._agent], [], [], 0)
+        return not ready
 
     def _fork(self, conn: socket.socket, request: RunRequest, fds: list[int]) -> Forked | None:
         server_pid = os.getpid()
@@ -211,7 +217,8 @@ class Server:
             _kill_group(pid)
         try:
             os.unlink(self.socket_path)
-        except OSError:
+            os.rmdir(os.path.dirname(self.socket_path))  # the agent's private directory
+        except OSError:  # its close() may be removing both right now
             pass
         logger.info("warm-start server exits: %s", why)
         logging.shutdown()
@@ -298,7 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ProcessLookupError:
         return 0  # the agent is already gone
     target = Target("module", args.module) if args.module else Target("path", args.path)
-    loaded = preload.preload(target, [m for m in args.preload.split(",") if m])
+    loaded = preload.preload(target, [m for m in args.preload.split(",") if m],
+                             keep_going=server.agent_alive)
     hazards = server.check().hazards
     if hazards:
         logger.warning("%s is not safe to fork after its imports (%s): workers will start "

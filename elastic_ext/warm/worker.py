@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 import traceback
+from typing import NoReturn
 
 from elastic_ext.warm.target import Target
 
@@ -63,18 +64,22 @@ def exit_code_of(exc: SystemExit) -> int:
     if code is None:
         return 0
     if isinstance(code, int):
+        if not -(1 << 63) <= code < 1 << 63:  # the interpreter's C long overflows: -1
+            return 0xFF
         return code & 0xFF
-    sys.stderr.write(f"{code}\n")  # what the interpreter itself writes
+    _write_stderr(f"{code}\n")  # what the interpreter itself writes
     return 1
 
 
 def run_target(target: Target, args: list[str]) -> int:
     """Run ``target`` as ``__main__`` with ``args``; the exit status ``python`` would give.
 
-    An uncaught ``KeyboardInterrupt`` ends the process by SIGINT, as ``python`` does.
+    An uncaught ``KeyboardInterrupt`` ends the process by SIGINT, as ``python`` does
+    (after the ``atexit`` handlers, as the interpreter runs them before it kills itself).
     """
     try:
         if target.kind == "module":
+            _forget_imported(target.name)
             sys.argv = [target.name, *args]  # runpy puts the module's file in argv[0]
             sys.path[0] = os.getcwd()
             runpy.run_module(target.name, run_name="__main__", alter_sys=True)
@@ -85,18 +90,65 @@ def run_target(target: Target, args: list[str]) -> int:
         return 0
     except SystemExit as exc:
         return exit_code_of(exc)
+    except (ImportError, OSError) as exc:
+        if not _raised_by_runpy(exc):  # the target's own
+            return _uncaught(exc)
+        # What ``python`` says and exits with when it cannot find what to run.
+        if isinstance(exc, OSError) and target.kind == "path":
+            _write_stderr(f"{sys.executable}: can't open file {os.path.abspath(target.name)!r}: "
+                          f"[Errno {exc.errno}] {exc.strerror}\n")
+            return 2
+        _write_stderr(f"{sys.executable}: {exc}\n")
+        return 1
     except KeyboardInterrupt:
         traceback.print_exc()
-        _flush()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-        return 128 + signal.SIGINT
+        _die_of_sigint()
     except BaseException as exc:
-        held = _hold_after_peer_fault(exc)
-        if held is not None:
-            return held
-        sys.excepthook(type(exc), exc, exc.__traceback__)
-        return 1
+        return _uncaught(exc)
+
+
+def _uncaught(exc: BaseException) -> int:
+    """Report an exception that left the target as the interpreter would: exit status 1."""
+    held = _hold_after_peer_fault(exc)
+    if held is not None:
+        return held
+    sys.excepthook(type(exc), exc, exc.__traceback__)
+    return 1
+
+
+def _raised_by_runpy(exc: BaseException) -> bool:
+    """Whether ``runpy`` itself raised ``exc`` (no such module or file), not the target."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return os.path.basename(tb.tb_frame.f_code.co_filename) in ("runpy.py", "<frozen runpy>")
+
+
+def _forget_imported(name: str) -> None:
+    """Drop a module the warm-start server imported (its preload) that ``python -m name``
+    would run fresh: ``runpy`` warns about, and the target would ``import`` the stale copy
+    of, a module that is in ``sys.modules`` before it runs as ``__main__``."""
+    module = sys.modules.get(name)
+    if module is None or hasattr(module, "__path__"):  # a package: -m runs its __main__
+        return
+    del sys.modules[name]
+    parent, _, child = name.rpartition(".")
+    package = sys.modules.get(parent) if parent else None
+    if package is not None and getattr(package, child, None) is module:
+        delattr(package, child)
+
+
+def _die_of_sigint() -> NoReturn:
+    import atexit
+
+    atexit._run_exitfuncs()
+    _flush()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.raise_signal(signal.SIGINT)  # delivered to this thread before it returns
+    os._exit(128 + signal.SIGINT)
 
 
 def _hold_after_peer_fault(exc: BaseException) -> int | None:
@@ -130,6 +182,13 @@ def hold_for_agent(reason: str) -> int | None:
                      HOLD_TIMEOUT_S)
         return EXIT_HOLD_TIMEOUT
     return 128 + got.si_signo
+
+
+def _write_stderr(text: str) -> None:
+    try:
+        sys.stderr.write(text)
+    except (AttributeError, OSError, ValueError):  # no stderr, or a closed one
+        pass
 
 
 def _flush() -> None:

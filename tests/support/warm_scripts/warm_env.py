@@ -1,0 +1,68 @@
+"""Generation 0 leaves things behind (an environment variable set both ways, a umask, a
+working directory, a lower file limit) and exits 1; generation 1 waits for ``OUT/go``
+and writes what it found: its environment (Python's and the C library's), cwd, umask,
+file limit and ``sys.path``."""
+
+import ctypes
+import json
+import os
+import resource
+import sys
+import time
+
+from elastic_ext.warm.worker import in_warm_worker
+
+WAIT_S = 60.0
+
+
+def record(out: str, what: str, **facts: object) -> None:
+    facts.update(warm=in_warm_worker(), pid=os.getpid(), ppid=os.getppid())
+    gen = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    path = os.path.join(out, f"{what}-rank{os.environ.get('RANK', 'cold')}-gen{gen}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(facts, f)
+    os.replace(path + ".tmp", path)
+
+
+def c_environ() -> dict[str, str]:
+    """The C library's ``environ``: what an exec'd child or a C extension sees."""
+    environ = ctypes.POINTER(ctypes.c_char_p).in_dll(ctypes.CDLL(None), "environ")
+    found: dict[str, str] = {}
+    i = 0
+    while environ[i] is not None:
+        key, _, value = environ[i].decode(errors="replace").partition("=")
+        found[key] = value
+        i += 1
+    return found
+
+
+def umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def main() -> None:
+    out = sys.argv[1]
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        os.environ["LEFTOVER"] = "generation 0"
+        os.putenv("PUTENV_LEFTOVER", "generation 0")
+        os.umask(0o077)
+        os.chdir("/")
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft - 1, hard - 1))
+        record(out, "left")
+        sys.exit(1)
+    record(out, "ready")
+    deadline = time.monotonic() + WAIT_S
+    while not os.path.exists(os.path.join(out, "go")):
+        if time.monotonic() > deadline:
+            sys.exit(4)
+        time.sleep(0.02)
+    record(out, "found", environ=dict(os.environ), c_environ=c_environ(), cwd=os.getcwd(),
+           umask=umask(), nofile=list(resource.getrlimit(resource.RLIMIT_NOFILE)),
+           sys_path=sys.path)
+
+
+if __name__ == "__main__":
+    main()
