@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 CONTROL_DIR_ENV = "ELASTIC_EXT_CONTROL_DIR"
 _ROUND_FILE = "round"
 _PEER_LOST = "lost-"
+_SETUP_FAULT = "setup-"
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -46,7 +47,8 @@ class AgentControl:
             os.environ[CONTROL_DIR_ENV] = str(self.path)
 
     def publish_round(self, round_: int) -> None:
-        for stale in [*self.path.glob("fault-*"), *self.path.glob(f"{_PEER_LOST}*")]:
+        for stale in [*self.path.glob("fault-*"), *self.path.glob(f"{_PEER_LOST}*"),
+                      *self.path.glob(f"{_SETUP_FAULT}*")]:
             stale.unlink(missing_ok=True)
         _atomic_write(self.path / _ROUND_FILE, str(round_))
 
@@ -59,6 +61,14 @@ class AgentControl:
         """The reason a worker gave for a peer fault in ``round_``, if any."""
         try:
             return (self.path / f"fault-{round_}").read_text() or "peer fault"
+        except FileNotFoundError:
+            return None
+
+    def setup_fault_reported(self, round_: int) -> str | None:
+        """What a worker's launcher said about a fault of the node's own machinery (the
+        warm-start server died) in ``round_``, if anything."""
+        try:
+            return (self.path / f"{_SETUP_FAULT}{round_}").read_text() or "setup fault"
         except FileNotFoundError:
             return None
 
@@ -84,13 +94,24 @@ def peer_lost() -> bool:
 
 def report_peer_failure(reason: str) -> bool:
     """Tell the agent a collective failed because of a peer; False if nobody listens."""
+    return _report("fault-", reason)
+
+
+def report_setup_failure(reason: str) -> bool:
+    """Tell the agent this worker died because of the node's own machinery (its
+    warm-start server), not of anything it did: a free restart, started cold next time
+    so it cannot repeat. False if nobody listens."""
+    return _report(_SETUP_FAULT, reason)
+
+
+def _report(kind: str, reason: str) -> bool:
     path = os.environ.get(CONTROL_DIR_ENV)
     if not path:
         return False
     try:
         round_ = (Path(path) / _ROUND_FILE).read_text().strip()
-        _atomic_write(Path(path) / f"fault-{round_}", reason[:500])
+        _atomic_write(Path(path) / f"{kind}{round_}", reason[:500])
     except OSError as exc:
-        logger.warning("could not report a peer fault to the agent: %s", exc)
+        logger.warning("could not report a fault to the agent: %s", exc)
         return False
     return True

@@ -18,7 +18,13 @@ from torch.distributed import HashStore
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
-from elastic_ext.control import CONTROL_DIR_ENV, AgentControl, peer_lost, report_peer_failure
+from elastic_ext.control import (
+    CONTROL_DIR_ENV,
+    AgentControl,
+    peer_lost,
+    report_peer_failure,
+    report_setup_failure,
+)
 from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.rendezvous.errors import RestartBudgetExhaustedError, StoreUnavailableError
 from elastic_ext.rendezvous.handler import EtcdExtRendezvousHandler
@@ -261,6 +267,29 @@ def test_a_fault_report_is_acted_on_at_the_agents_next_poll_not_the_next_tick(
     assert lab.handler.num_nodes_waiting() == 1  # no keeper tick in between
     leaving = lab.events("leaving_round")
     assert [(e["round"], e["reason"]) for e in leaving] == [(1, "failure")]
+
+
+@pytest.mark.parametrize("kind", ["setup fault", "peer fault"])
+def test_a_dead_warm_start_server_costs_no_restart_unlike_an_unexplained_peer_fault(
+        make_lab, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    lab = make_lab(nnodes=(1, 2))
+    join_with_peer(lab)
+    monkeypatch.setenv(CONTROL_DIR_ENV, str(lab.control.path))
+    report = report_setup_failure if kind == "setup fault" else report_peer_failure
+    assert report("rank 1: the warm-start server died")
+    assert lab.handler.num_nodes_waiting() == 1
+
+    def peer_rejoins() -> None:  # the peer restarts its workers too: same membership
+        lab.peer.beat("peer")
+        state = lab.state()
+        if state.phase is Phase.OPEN and "peer" not in state.members:
+            lab.put_state(dataclasses.replace(
+                state, members={**state.members, "peer": NodeInfo("127.0.0.1", 30000)}))
+    lab.clock.on_sleep.append(peer_rejoins)
+    info = lab.handler.next_rendezvous()
+    assert info.world_size == 2
+    # An unexplained fault with unchanged membership is a worker failure: charged.
+    assert lab.state().restarts == (0 if kind == "setup fault" else 1)
 
 
 def test_a_stop_for_a_dead_peer_tells_the_workers_not_to_wait_for_a_step_boundary(

@@ -173,9 +173,6 @@ def test_a_node_killed_the_chaos_way_leaves_nothing_and_the_other_node_trains_on
 
 
 # -- 3. the server crashes ---------------------------------------------------------------
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the launcher reports the server's death as a peer fault (worker.hold_for_agent), which "
-    "the keeper charges when membership did not change: budget spent at --max-restarts=0"))
 @pytest.mark.timeout(120)
 def test_a_crashed_server_costs_no_restart_and_the_next_workers_start_cold(
         processes: ProcessSet, tmp_path: Path) -> None:

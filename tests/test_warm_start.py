@@ -216,10 +216,6 @@ def test_a_restart_starts_from_torchruns_environment_cwd_umask_and_limits(
         assert tuple(fact["nofile"]) == nofile
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the server's preload (elastic_ext/warm/preload.py) inserts a "
-                   "script's directory before the agent's cwd that `python -m "
-                   "elastic_ext.warm.server` put in sys.path, and a worker keeps both")
 def test_a_warm_script_sees_the_sys_path_python_gives_it(
         processes: ProcessSet, tmp_path: Path) -> None:
     out, cwd = tmp_path / "out", tmp_path / "cwd"

@@ -298,18 +298,19 @@ class Trainer:
                           signal=signal.Signals(received).name if received else None)
         self.progress.finish("preempted")
         code = self.guard.preempted_exit_code()
-        self.close(destroy=False)
+        self.close()
         exit_now(code)
 
-    def close(self, destroy: bool = True) -> None:
+    def close(self) -> None:
+        """Flush and close what this worker wrote. The process group is left alone: the
+        process exits at once (``exit_now``), and with torch 2.13 freeing a gloo group can
+        deadlock on the GIL (pytorch issues 75097 and 56297; PR 179291)."""
         self.progress.close()
         if self.snapshots is not None:
             self.snapshots.close()
         if self.recorder is not None:
             self.recorder.close()
         self.metrics.close()
-        if destroy:
-            dist.destroy_process_group()
 
 
 def run(settings: TrainSettings, main_at: float | None = None) -> int:

@@ -171,6 +171,8 @@ class Keeper:
                 self._control.fault_reported(self._round[1]) is not None)
             if count:
                 self._leave_round(Pressure(count, why, reason))
+                return
+        self.check_worker_report()
 
     def _members_of_our_round(self, state: RunState) -> set[str]:
         """Who our workers train with: the state's round, or the one a newer open round
@@ -191,9 +193,12 @@ class Keeper:
         with self._lock:
             if self._round is None or self._pressure.count:
                 return
-            if self._control.fault_reported(self._round[1]) is None:
-                return
-            self._leave_round(Pressure(1, "a worker reported a peer fault", Reason.FAILURE))
+            setup = self._control.setup_fault_reported(self._round[1])
+            if setup is not None:  # the node's machinery, not the training: free
+                self._leave_round(Pressure(1, f"a worker's launcher reported: {setup}",
+                                           Reason.MEMBERSHIP))
+            elif self._control.fault_reported(self._round[1]) is not None:
+                self._leave_round(Pressure(1, "a worker reported a peer fault", Reason.FAILURE))
 
     def _leave_round(self, pressure: Pressure) -> None:
         """Record the first reason to restart this round's workers (under ``_lock``)."""

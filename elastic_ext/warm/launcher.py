@@ -180,7 +180,8 @@ class Launch:
 
     def _server_lost(self) -> int:
         """The server died under a running worker, which died with it (PDEATHSIG)."""
-        code = hold_for_agent("the warm-start server died, and this worker with it")
+        code = hold_for_agent("the warm-start server died, and this worker with it",
+                              setup_fault=True)
         logger.error("etcd-ext warm start: the server died while worker %s ran; the next "
                      "workers start cold", self.worker)
         return (code if code is not None else 1) << 8

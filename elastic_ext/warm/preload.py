@@ -158,10 +158,14 @@ def preload(target: Target, extra: Iterable[str] = (),
                           keep_going=keep_going)
     else:
         script = os.path.abspath(target.name)
-        sys.path.insert(0, os.path.dirname(script))
-        # A sibling module that imports the script by name would run it: never that name.
-        stem = os.path.splitext(os.path.basename(script))[0]
-        done += _walk([(script, None)], None, skip=stem, keep_going=keep_going)
+        saved_path = list(sys.path)
+        sys.path.insert(0, os.path.dirname(script))  # where the script's own imports live
+        try:
+            # A sibling module that imports the script by name would run it: never that name.
+            stem = os.path.splitext(os.path.basename(script))[0]
+            done += _walk([(script, None)], None, skip=stem, keep_going=keep_going)
+        finally:
+            sys.path[:] = saved_path  # a worker's sys.path is python's, not the server's
     for name in (*extra, *(LAZY_HEAVY if "torch" in sys.modules else ())):
         if not keep_going():
             break

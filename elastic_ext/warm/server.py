@@ -162,8 +162,7 @@ class Server:
             return Forked(request, fds, server_pid)
         _close_all(fds)
         self._workers[conn] = pid
-        logger.info("forked worker %d (%s %s)", pid,
-                    "-m" if request.kind == "module" else "", request.name)
+        logger.info("forked worker %d (%s)", pid, Target(request.kind, request.name))
         if not self._reply(conn, {"pid": pid}):
             self._workers.pop(conn, None)
             self._forget(conn)
@@ -265,8 +264,18 @@ def become_worker(forked: Forked) -> int:
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT
                       else signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED_SIGNALS)
+    _reseed_numpy()
     enter_warm_worker(request.launched_at)
     return run_target(Target(request.kind, request.name), request.argv)
+
+
+def _reseed_numpy() -> None:
+    """numpy seeds its global generator from the OS at import, in the server: every
+    worker would draw the same numbers. A fresh interpreter would not (``random`` is
+    reseeded by CPython itself after a fork)."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
 
 
 def _apply_rlimits(rlimits: dict[str, list[int]]) -> None:

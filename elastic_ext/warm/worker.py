@@ -25,6 +25,7 @@ HOLD_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.S
 HOLD_TIMEOUT_S = 60.0
 """How long a worker that reported a peer fault waits for its agent to stop it."""
 EXIT_HOLD_TIMEOUT = 1
+_AGENT_CHECK_S = 0.2
 
 _warm = False
 _launched_at: float | None = None
@@ -162,26 +163,34 @@ def _hold_after_peer_fault(exc: BaseException) -> int | None:
     return hold_for_agent(f"{type(exc).__name__}: {exc}")
 
 
-def hold_for_agent(reason: str) -> int | None:
-    """Report ``reason`` to the etcd-ext agent as a fault that is not this worker's, and
-    wait for the agent's stop signal: the exit status to leave with, or None when no
-    agent listens (stock torchrun: the caller fails as it would have)."""
+def hold_for_agent(reason: str, *, setup_fault: bool = False) -> int | None:
+    """Report ``reason`` to the etcd-ext agent as a fault that is not this worker's (a
+    peer's, or with ``setup_fault`` the node's own machinery's) and wait for the agent's
+    stop signal: the exit status to leave with, or None when no agent listens (stock
+    torchrun: the caller fails as it would have). Returns at once if the agent dies."""
     from elastic_ext import control
 
     rank = os.environ.get("RANK", "?")
-    if not control.report_peer_failure(f"rank {rank}: {reason}"):
+    report = control.report_setup_failure if setup_fault else control.report_peer_failure
+    agent = os.getppid()
+    if not report(f"rank {rank}: {reason}"):
         return None
     logger.warning("rank %s: %s; reported to the etcd-ext agent as not this worker's fault, "
                    "waiting up to %.0fs for it to stop this worker", rank, reason[:300],
                    HOLD_TIMEOUT_S)
     _flush()
     signal.pthread_sigmask(signal.SIG_BLOCK, HOLD_SIGNALS)
-    got = signal.sigtimedwait(HOLD_SIGNALS, HOLD_TIMEOUT_S)
-    if got is None:
-        logger.error("rank %s: the agent did not stop this worker within %.0fs", rank,
-                     HOLD_TIMEOUT_S)
-        return EXIT_HOLD_TIMEOUT
-    return 128 + got.si_signo
+    deadline = time.monotonic() + HOLD_TIMEOUT_S
+    while (left := deadline - time.monotonic()) > 0:
+        got = signal.sigtimedwait(HOLD_SIGNALS, min(left, _AGENT_CHECK_S))
+        if got is not None:
+            return 128 + got.si_signo
+        if os.getppid() != agent:  # the agent died: nobody will stop us
+            logger.error("rank %s: the agent died while this worker waited for it", rank)
+            return EXIT_HOLD_TIMEOUT
+    logger.error("rank %s: the agent did not stop this worker within %.0fs", rank,
+                 HOLD_TIMEOUT_S)
+    return EXIT_HOLD_TIMEOUT
 
 
 def _write_stderr(text: str) -> None:
