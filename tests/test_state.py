@@ -152,6 +152,22 @@ def test_dead_participant_newer_round_and_fault_report_each_create_pressure():
     assert restart_pressure(s, "a", frozenset(), LIMITS, key, False)[0] == 0
 
 
+def test_a_state_read_before_our_round_closed_is_no_reason_to_restart():
+    # Issue 14: a keeper check that read the open round just before it closed was taken
+    # for a newer round replacing ours, and the agent restarted a round that had just begun.
+    opened, _ = run(None, view("a"))
+    opened, _ = run(opened, view("b"))
+    assert opened.phase is Phase.OPEN
+    ours = (opened.generation, opened.round)  # what the agent runs in once it closed
+    assert restart_pressure(opened, "a", frozenset(), LIMITS, ours, False)[0] == 0
+    older = replace(opened, round=opened.round - 1, phase=Phase.CLOSED)
+    assert restart_pressure(older, "a", frozenset(), LIMITS, ours, False)[0] == 0
+    newer = replace(opened, round=opened.round + 1)
+    assert restart_pressure(newer, "a", frozenset(), LIMITS, ours, False)[0] == 1
+    other_generation = replace(opened, generation="another")
+    assert restart_pressure(other_generation, "a", frozenset(), LIMITS, ours, False)[0] == 1
+
+
 def test_open_round_drops_members_that_died_while_it_was_open():
     s, _ = run(None, view("a"))
     s, _ = run(s, view("b"))

@@ -115,6 +115,8 @@ class Keeper:
             self._stop.wait(max(0.0, self._interval - (self._clock.monotonic() - started)))
 
     def tick(self) -> None:
+        with self._lock:
+            watched = self._round
         try:
             self._presence.drain()
             self._backend.beat(self._node, self._presence.port)
@@ -161,6 +163,8 @@ class Keeper:
             self._reported_dead |= dead
             if self._round is None or state is None:
                 return
+            if self._round != watched:
+                return  # the agent joined a round while we read: this read is about the last
             lost = sorted(dead & self._members_of_our_round(state) - {self._node})
             if lost:  # also after another reason came first: the stop must not wait on them
                 self._control.publish_peer_lost(self._round[1], f"dead or hung: {', '.join(lost)}")

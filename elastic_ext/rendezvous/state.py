@@ -313,6 +313,11 @@ def restart_pressure(state: RunState, me: str, dead: frozenset[str], limits: Lim
     torch's agent polls ``num_nodes_waiting`` while its workers are healthy and
     restarts them without spending a local restart when it is positive.
     """
+    generation, round_ = my_round
+    if state.generation == generation and (
+            state.round < round_ or (state.round == round_ and state.phase is Phase.OPEN)):
+        # Read before our round closed (a round never reopens under its number): stale.
+        return 0, "", Reason.FAILURE
     if (state.generation, state.round) != my_round or state.phase is Phase.OPEN:
         return 1, f"round {state.round} ({state.phase.value}) replaced round {my_round[1]}", \
             Reason.FAILURE

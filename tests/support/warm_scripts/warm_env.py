@@ -4,24 +4,17 @@ and writes what it found: its environment (Python's and the C library's), cwd, u
 file limit and ``sys.path``."""
 
 import ctypes
-import json
 import os
 import resource
 import sys
 import time
 
-from elastic_ext.warm.worker import in_warm_worker
+try:  # run as a script: this directory is sys.path[0]
+    from warm_record import record  # type: ignore[import-not-found]
+except ImportError:  # run as a module: python -m tests.support.warm_scripts.NAME
+    from tests.support.warm_scripts.warm_record import record
 
 WAIT_S = 60.0
-
-
-def record(out: str, what: str, **facts: object) -> None:
-    facts.update(warm=in_warm_worker(), pid=os.getpid(), ppid=os.getppid())
-    gen = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    path = os.path.join(out, f"{what}-rank{os.environ.get('RANK', 'cold')}-gen{gen}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(facts, f)
-    os.replace(path + ".tmp", path)
 
 
 def c_environ() -> dict[str, str]:

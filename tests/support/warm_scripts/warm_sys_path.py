@@ -1,19 +1,11 @@
 """Writes its ``sys.path``, to compare a warm worker's with a cold ``python SCRIPT``'s."""
 
-import json
-import os
 import sys
 
-from elastic_ext.warm.worker import in_warm_worker
-
-
-def record(out: str, what: str, **facts: object) -> None:
-    facts.update(warm=in_warm_worker(), pid=os.getpid(), ppid=os.getppid())
-    gen = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    path = os.path.join(out, f"{what}-rank{os.environ.get('RANK', 'cold')}-gen{gen}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(facts, f)
-    os.replace(path + ".tmp", path)
+try:  # run as a script: this directory is sys.path[0]
+    from warm_record import record  # type: ignore[import-not-found]
+except ImportError:  # run as a module: python -m tests.support.warm_scripts.NAME
+    from tests.support.warm_scripts.warm_record import record
 
 
 if __name__ == "__main__":
