@@ -21,7 +21,7 @@ time is broken down from the agents' events (``events_file``) and the trainer's
   spawn    -> the new rank-0 worker's process started (``launched_at``)
   launch   -> its ``main`` runs (``main_at``): the worker start, warm or cold
   pg-init  -> its process group is up (``pg_ready_at``)
-  restore  -> its state is restored (``restored_at``)
+  restore  -> its model and optimizer are built and its state restored (``restored_at``)
   step     -> the first step in the new world
 
 Usage: python benchmarks/recovery.py [--reps 5] [--stock-reps 2] [--timeout 180]
