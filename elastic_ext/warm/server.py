@@ -162,7 +162,7 @@ class Server:
             return Forked(request, fds, server_pid)
         _close_all(fds)
         self._workers[conn] = pid
-        logger.info("forked worker %d (%s)", pid, Target(request.kind, request.name))
+        logger.debug("forked worker %d (%s)", pid, Target(request.kind, request.name))
         if not self._reply(conn, {"pid": pid}):
             self._workers.pop(conn, None)
             self._forget(conn)
@@ -219,7 +219,7 @@ class Server:
             os.rmdir(os.path.dirname(self.socket_path))  # the agent's private directory
         except OSError:  # its close() may be removing both right now
             pass
-        logger.info("warm-start server exits: %s", why)
+        logger.debug("warm-start server exits: %s", why)
         logging.shutdown()
         os._exit(0)
 
