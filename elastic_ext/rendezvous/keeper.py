@@ -61,6 +61,7 @@ class Keeper:
         self._presence = PresenceListener()
         self._probe = PresenceProbe()
         self._ports: dict[str, int] = {}  # presence ports from the heartbeats last read
+        self._lost_told: tuple[str, int] | None = None  # the round whose workers know
 
     # -- what the handler reads ---------------------------------------------------------
     @property
@@ -166,8 +167,10 @@ class Keeper:
             if self._round != watched:
                 return  # the agent joined a round while we read: this read is about the last
             lost = sorted(dead & self._members_of_our_round(state) - {self._node})
-            if lost:  # also after another reason came first: the stop must not wait on them
+            if lost and self._lost_told != self._round:
+                # Also after another reason came first: the stop must not wait on them.
                 self._control.publish_peer_lost(self._round[1], f"dead or hung: {', '.join(lost)}")
+                self._lost_told = self._round
             if self._pressure.count:
                 return  # sticky until the next round: the agent acts on the first reason
             count, why, reason = restart_pressure(
