@@ -7,23 +7,63 @@ sees the report, treats it as a membership change and restarts its workers
 without charging the restart budget (see ``Keeper``).
 
 The agent creates a directory and exports its path in ``ELASTIC_EXT_CONTROL_DIR``
-before it starts workers, so every worker inherits it.
+before it starts workers, so every worker inherits it. The directory lives in the
+node's memory (``/dev/shm`` where there is one) because it also holds ``state/``,
+where workers keep the state of their last completed step for the next workers on
+the node (``elastic_ext.snapshot.local``). It is the agent's: removed when the agent
+ends, and when an agent that was killed left one, by the next agent on the node.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
+from elastic_ext.procinfo import pid_alive
+
 logger = logging.getLogger(__name__)
 
 CONTROL_DIR_ENV = "ELASTIC_EXT_CONTROL_DIR"
+STATE_SUBDIR = "state"
 _ROUND_FILE = "round"
 _PEER_LOST = "lost-"
 _SETUP_FAULT = "setup-"
+_LEAVING = "leaving-"
+_DIR_PREFIX = "elastic-ext-ctl-"
+_DIR_RE = re.compile(rf"^{_DIR_PREFIX}(\d+)-")
+_NODE_MEMORY = Path("/dev/shm")
+
+
+def _base_directory() -> Path:
+    """Node memory when the machine has a writable tmpfs there, the temporary directory else."""
+    if _NODE_MEMORY.is_dir() and os.access(_NODE_MEMORY, os.W_OK | os.X_OK):
+        return _NODE_MEMORY
+    return Path(tempfile.gettempdir())
+
+
+def remove_abandoned(base: Path) -> list[Path]:
+    """Remove this user's control directories in ``base`` whose agent is dead (killed,
+    so it could not clean up); returns what was removed. Their kept state is in RAM."""
+    removed: list[Path] = []
+    try:
+        entries = list(base.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _DIR_RE.match(entry.name)
+        try:
+            if not match or entry.stat().st_uid != os.getuid() or pid_alive(int(match[1])):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        logger.info("removed %s, left by an etcd-ext agent that is gone", entry)
+        removed.append(entry)
+    return removed
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -42,15 +82,25 @@ class AgentControl:
 
     def __init__(self, path: Path | None = None) -> None:
         self._exported = path is None
-        self.path = Path(tempfile.mkdtemp(prefix="elastic-ext-ctl-")) if path is None else path
-        if self._exported:
-            os.environ[CONTROL_DIR_ENV] = str(self.path)
+        if path is None:
+            base = _base_directory()
+            remove_abandoned(base)
+            path = Path(tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-", dir=base))
+            os.environ[CONTROL_DIR_ENV] = str(path)
+        self.path = path
+        (self.path / STATE_SUBDIR).mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def publish_round(self, round_: int) -> None:
         for stale in [*self.path.glob("fault-*"), *self.path.glob(f"{_PEER_LOST}*"),
-                      *self.path.glob(f"{_SETUP_FAULT}*")]:
+                      *self.path.glob(f"{_SETUP_FAULT}*"), *self.path.glob(f"{_LEAVING}*")]:
             stale.unlink(missing_ok=True)
         _atomic_write(self.path / _ROUND_FILE, str(round_))
+
+    def publish_leaving(self, round_: int, reason: str) -> None:
+        """Tell the workers of ``round_`` that the SIGTERM coming is this agent restarting
+        them for a new round (``reason``: the keeper's), not the job being stopped: the
+        state kept on the node is enough, no durable snapshot is needed."""
+        _atomic_write(self.path / f"{_LEAVING}{round_}", reason[:100])
 
     def publish_peer_lost(self, round_: int, why: str) -> None:
         """Tell the workers of ``round_`` that a peer is dead or hung: the stop that follows
@@ -80,16 +130,44 @@ class AgentControl:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-def peer_lost() -> bool:
-    """In a worker: whether its agent found a peer of this round dead or hung."""
+def _round_file(kind: str) -> Path | None:
+    """In a worker: the control file of ``kind`` for the current round (None: no agent)."""
     path = os.environ.get(CONTROL_DIR_ENV)
     if not path:
-        return False
+        return None
     try:
         round_ = (Path(path) / _ROUND_FILE).read_text().strip()
-        return (Path(path) / f"{_PEER_LOST}{round_}").exists()
     except OSError:
-        return False
+        return None
+    return Path(path) / f"{kind}{round_}"
+
+
+def peer_lost() -> bool:
+    """In a worker: whether its agent found a peer of this round dead or hung."""
+    marker = _round_file(_PEER_LOST)
+    return marker is not None and marker.exists()
+
+
+def leaving_reason() -> str | None:
+    """In a worker: why its agent is restarting this round's workers, if it is (see
+    :meth:`AgentControl.publish_leaving`); None under another agent or for a real stop."""
+    marker = _round_file(_LEAVING)
+    if marker is None:
+        return None
+    try:
+        return marker.read_text() or "restart"
+    except OSError:
+        return None
+
+
+def local_state_dir() -> Path | None:
+    """In a worker: the node-memory directory its agent gives it for the state of the last
+    completed step; None when no etcd-ext agent started this worker."""
+    path = os.environ.get(CONTROL_DIR_ENV)
+    if not path:
+        return None
+    state = Path(path) / STATE_SUBDIR
+    return state if state.is_dir() else None
 
 
 def report_peer_failure(reason: str) -> bool:
@@ -105,12 +183,11 @@ def report_setup_failure(reason: str) -> bool:
 
 
 def _report(kind: str, reason: str) -> bool:
-    path = os.environ.get(CONTROL_DIR_ENV)
-    if not path:
+    marker = _round_file(kind)
+    if marker is None:
         return False
     try:
-        round_ = (Path(path) / _ROUND_FILE).read_text().strip()
-        _atomic_write(Path(path) / f"{kind}{round_}", reason[:500])
+        _atomic_write(marker, reason[:500])
     except OSError as exc:
         logger.warning("could not report a fault to the agent: %s", exc)
         return False

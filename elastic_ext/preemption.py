@@ -16,6 +16,12 @@ has begun the watchdog leaves it alone.
 A worker whose collective fails because a peer went away reports it to its
 etcd-ext agent (:func:`elastic_ext.control.report_peer_failure`) and waits for the
 agent to stop it, instead of exiting non-zero and spending a restart.
+
+A stop that is only the etcd-ext agent restarting its workers for a new round (it
+says so through ``elastic_ext.control``) is told apart from a real one, so the loop
+can keep its state in node memory instead of writing a durable snapshot; and a
+worker that leaves without reaching a step boundary first calls the loop's
+``keep_state``, so the state of its last completed step survives it.
 """
 
 from __future__ import annotations
@@ -109,6 +115,9 @@ class Agreement:
     """Some rank was signalled: every rank commits and leaves."""
     values: torch.Tensor | None = field(default=None, compare=False)
     """The caller's values, summed over ranks (float64)."""
+    restart: bool = False
+    """Every signalled rank was stopped by its etcd-ext agent to restart the round (a
+    membership change): the state kept in node memory is enough, nothing need be durable."""
 
 
 def exit_now(code: int) -> NoReturn:
@@ -141,8 +150,16 @@ class PreemptionGuard:
                 exit_now(guard.preempted_exit_code())
     """
 
-    def __init__(self, settings: GuardSettings | None = None) -> None:
+    def __init__(self, settings: GuardSettings | None = None, *,
+                 keep_state: Callable[[str], None] | None = None) -> None:
+        """``keep_state(why)`` (settable later, as ``guard.keep_state``) is called before this
+        worker leaves without reaching a step boundary (a peer failed, or a stop could not
+        wait), from the main thread or the watchdog, at most once; it should keep the last
+        completed step (``Snapshotter.keep_local``) unless the state is mid-update."""
         self.settings = settings or GuardSettings()
+        self.keep_state = keep_state
+        self._keep_lock = threading.Lock()
+        self._kept = False
         self._signalled: int | None = None
         self._signal_event = threading.Event()
         self._phase = Phase.RUNNING
@@ -210,6 +227,20 @@ class PreemptionGuard:
         with self._lock:
             self._phase = phase
 
+    def _keep(self, why: str) -> None:
+        """Call ``keep_state`` once; a second caller waits until the first is done, so the
+        watchdog never ends the process in the middle of the main thread's keep."""
+        if self.keep_state is None:
+            return
+        with self._keep_lock:
+            if self._kept:
+                return
+            self._kept = True
+            try:
+                self.keep_state(why)
+            except Exception:
+                logger.exception("could not keep the state of the last step")
+
     def _hold(self, code_on_signal: int) -> bool:
         """Wait up to ``hold_timeout_s`` for a signal; True if one came."""
         with self._lock:
@@ -270,11 +301,13 @@ class PreemptionGuard:
                     logger.warning("got %s and the agent found a peer dead or hung: no step "
                                    "boundary can be reached, exiting at once",
                                    signal.Signals(deadline_signal).name)
+                    self._keep("a peer is dead or hung")
                 else:
                     logger.error("got %s but the step boundary was not reached within %.1fs (a "
                                  "peer is dead or frozen, or a step is slower than the grace); "
                                  "exiting without a snapshot", signal.Signals(deadline_signal).name,
                                  self.settings.grace_for(deadline_signal))
+                    self._keep("the step boundary was not reached in time")
                 exit_now(128 + deadline_signal)
             if phase is Phase.HOLDING:  # the main thread should have left already
                 exit_now(self._hold_code)
@@ -290,28 +323,34 @@ class PreemptionGuard:
     # -- the step boundary
     def agree(self, values: torch.Tensor | None = None,
               group: dist.ProcessGroup | None = None) -> Agreement:
-        """One all-reduce (SUM) of ``[signalled, *values]``: did any rank get a signal?
+        """One all-reduce (SUM) of ``[signalled, restart, *values]``: did any rank get a
+        signal, and was every signal its agent restarting the round?
 
         Call it at every step boundary on every rank. Passing the loop's own values
         (a loss sum, a sample count) makes this the only collective the boundary needs.
         When the answer is stop, the watchdog stands down so the commit can finish.
         """
-        flag = 1.0 if self._signalled is not None else 0.0
+        signalled = self._signalled
+        flag = 1.0 if signalled is not None else 0.0
+        restart = 1.0 if signalled is not None and signalled in self.settings.stop_signals \
+            and control.leaving_reason() is not None else 0.0  # files read only once signalled
+        flags = torch.tensor([flag, restart], dtype=torch.float64)
         if not (dist.is_available() and dist.is_initialized()):
-            stop = flag > 0
             summed = values.detach().to(torch.float64).flatten() if values is not None else None
         else:
             device = values.device if values is not None else collective_device(group)
-            parts = [torch.tensor([flag], dtype=torch.float64, device=device)]
+            parts = [flags.to(device)]
             if values is not None:
                 parts.append(values.detach().to(device=device, dtype=torch.float64).flatten())
             payload = torch.cat(parts)
             dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group)
-            stop = bool(payload[0].item() > 0)
-            summed = payload[1:] if values is not None else None
+            flags = payload[:2].cpu()
+            summed = payload[2:] if values is not None else None
+        stop = bool(flags[0].item() > 0)
         if stop:
             self._set_phase(Phase.COMMITTING)
-        return Agreement(stop=stop, values=summed)
+        return Agreement(stop=stop, values=summed,
+                         restart=stop and bool(flags[1].item() == flags[0].item()))
 
     def begin_commit(self) -> None:
         """Stand the watchdog down for a commit that is not the result of :meth:`agree`
@@ -338,14 +377,15 @@ class PreemptionGuard:
     def failure_exit_code(self, exc: BaseException) -> int:
         """What a worker whose step raised ``exc`` exits with; re-raises what is not a peer's fault.
 
-        Already signalled: the failure is part of the stop, leave now. A peer fault
-        under an etcd-ext agent: report it and wait until the agent stops this
-        worker (then 128+SIGTERM), or ``hold_timeout_s`` (then non-zero). Otherwise
-        (stock torchrun, or a genuine error): ``exc`` is raised again.
+        Already signalled: the failure is part of the stop, keep the state and leave. A
+        peer fault under an etcd-ext agent: report it, keep the state, and wait until the
+        agent stops this worker (then 128+SIGTERM), or ``hold_timeout_s`` (then
+        non-zero). Otherwise (stock torchrun, or a genuine error): ``exc`` is raised again.
         """
         if self._signalled is not None:
             logger.warning("step failed while stopping on %s: %s",
                            signal.Signals(self._signalled).name, exc)
+            self._keep("the step failed while stopping")
             return 128 + self._signalled
         if not is_peer_fault(exc):
             raise exc
@@ -353,6 +393,8 @@ class PreemptionGuard:
             raise exc
         logger.warning("a collective failed (%s); reported to the etcd-ext agent, waiting up to "
                        "%.0fs for it to stop this worker", exc, self.settings.hold_timeout_s)
+        self._set_phase(Phase.COMMITTING)  # the agent's SIGTERM must not cut the keep short
+        self._keep("a collective failed")
         if self._hold(code_on_signal=128 + signal.SIGTERM):
             assert self._signalled is not None
             return 128 + self._signalled

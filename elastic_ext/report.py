@@ -90,6 +90,9 @@ def _end_text(seg: Segment, last: bool) -> str:
         return "done"
     if seg.end == "preempted":
         return stop_label(next(e for e in seg.events if e.get("event") == "preempted"))
+    if seg.end == "stopped":
+        stopped = next(e for e in seg.events if e.get("event") == "stopped")
+        return f"stopped at step {stopped['step']} for a new round ({stopped.get('reason')})"
     return ("no end logged (still running, or stopped without a word)" if last
             else "cut short (a fault)")
 

@@ -1,16 +1,19 @@
 """A training run's metrics events, analysed: rounds, restores, steps redone, time not training.
 
 The events follow the bundled trainer's metrics contract (``trainer/metrics.py``): one
-JSON object per line with ``event`` (``start``, ``step``, ``snapshot``, ``preempted``,
-``done``), ``step``, ``world_size``, ``restart`` and ``time``. Any loop that writes the
-same events can be analysed. Everything here is a pure function of the event list, so
-that ``elastic-ext report`` and the chaos harness (which judges a run from the same
-events) share one reading of them and it can be tested on made-up lists.
+JSON object per line with ``event`` (``start``, ``restore``, ``step``, ``snapshot``,
+``stopped``, ``preempted``, ``done``), ``step``, ``world_size``, ``restart`` and
+``time``. Any loop that writes the same events can be analysed. Everything here is a
+pure function of the event list, so that ``elastic-ext report`` and the chaos harness
+(which judges a run from the same events) share one reading of them and it can be
+tested on made-up lists.
 
 A *round* (a worker generation) is a ``start`` event and the events up to the next one.
 Where its state came from is its *restore* (:data:`RESTORE_SOURCES`). A round that ends
-without ``done`` or ``preempted`` and is followed by another one was cut short: a
-*fault* (a killed or lost worker or node), visible in the metrics only by its silence.
+with ``stopped`` was restarted by its agents at a step boundary (a membership change).
+A round that ends without ``done``, ``preempted`` or ``stopped`` and is followed by
+another one was cut short: a *fault* (a killed or lost worker or node), visible in
+the metrics only by its silence.
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ class Segment:
     resumed_from: int | None
     steps: tuple[int, ...]
     step_times: tuple[float, ...]
-    end: str  # "done", "preempted" or "cut" (the round ended without saying why)
+    end: str  # "done", "preempted", "stopped" or "cut" (the round ended without saying why)
     events: tuple[Event, ...] = field(default=(), repr=False, compare=False)
 
     @property
@@ -132,7 +135,7 @@ def split_segments(events: Iterable[Event]) -> tuple[list[Segment], list[Event]]
         start = current[0]
         steps = [e for e in current if e.get("event") == "step"]
         kinds = {e.get("event") for e in current}
-        end = "done" if "done" in kinds else "preempted" if "preempted" in kinds else "cut"
+        end = next((kind for kind in ("done", "preempted", "stopped") if kind in kinds), "cut")
         segments.append(Segment(float(start["time"]), int(start["world_size"]),
                                 start.get("resumed_from"), tuple(int(e["step"]) for e in steps),
                                 tuple(float(e["time"]) for e in steps), end, tuple(current)))
@@ -203,7 +206,8 @@ def step_rate(times: Sequence[float],
 # ----------------------------------------------------------------------------- restores
 @dataclass(frozen=True)
 class RestoreSource:
-    """One way a round can get its state: recognised from its ``start`` event."""
+    """One way a round can get its state: recognised from its ``start`` event, to which
+    the round's ``restore`` event adds ``restored_by`` (its ``source``)."""
 
     name: str
     matches: Callable[[Event], bool]
@@ -211,11 +215,17 @@ class RestoreSource:
 
 
 RESTORE_SOURCES: tuple[RestoreSource, ...] = (
+    RestoreSource("peer", lambda start: start.get("restored_by") == "peer",
+                  lambda start: f"state from a peer at step {start['resumed_from']}"),
+    RestoreSource("local", lambda start: start.get("restored_by") == "local",
+                  lambda start: f"state kept on the node at step {start['resumed_from']}"),
     RestoreSource("snapshot", lambda start: start.get("resumed_from") is not None,
                   lambda start: f"snapshot at step {start['resumed_from']}"),
-    # A state hand-off between peers goes here, recognised by what its start event adds.
     RestoreSource("fresh", lambda start: True, lambda start: "fresh start"),
 )
+MEMORY_SOURCES = frozenset({"peer", "local"})
+"""Restores from state kept in node memory: it may be of a step the old round trained
+but did not log (a peer failed in the step-boundary collective), and it is on no disk."""
 """Tried in order, the first that matches names the source; the last matches anything."""
 
 
@@ -233,7 +243,10 @@ class Restore:
 def restore_of(round_number: int, segment: Segment,
                sources: Sequence[RestoreSource] = RESTORE_SOURCES) -> Restore:
     """Where ``segment`` got its state: the first of ``sources`` its start event matches."""
-    start = segment.events[0] if segment.events else {"resumed_from": segment.resumed_from}
+    start = dict(segment.events[0]) if segment.events else {"resumed_from": segment.resumed_from}
+    restore = next((e for e in segment.events if e.get("event") == "restore"), None)
+    if restore is not None:
+        start["restored_by"] = restore.get("source")
     source = next(s for s in sources if s.matches(start))
     return Restore(round_number, segment.start_time, source.name, segment.base,
                    source.describe(start))

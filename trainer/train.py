@@ -9,8 +9,11 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -21,8 +24,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from elastic_ext import control
 from elastic_ext.preemption import GuardSettings, PreemptionGuard, exit_now
-from elastic_ext.snapshot import SnapshotError, SnapshotInfo, Snapshotter
+from elastic_ext.snapshot import Restored, SnapshotError, SnapshotInfo, Snapshotter, Source
 from elastic_ext.warm.worker import launched_at
 from trainer.data import DataPosition, next_batch, shard
 from trainer.metrics import MetricsLog
@@ -116,22 +120,49 @@ class SampleRecorder:
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._base = {"rank": rank, "world_size": world_size, "incarnation": incarnation}
 
-    def record(self, step: int, epoch: int, ids: torch.Tensor) -> None:
-        line = json.dumps({**self._base, "step": step, "epoch": epoch, "ids": ids.tolist()}) + "\n"
+    def record(self, step: int, epoch: int, ids: torch.Tensor, batch: torch.Tensor) -> None:
+        """``ids``: this rank's share; ``batch``: the whole step's, for a step whose other
+        ranks could not record it (they failed after their share was reduced)."""
+        line = json.dumps({**self._base, "step": step, "epoch": epoch, "ids": ids.tolist(),
+                           "batch": batch.tolist()}) + "\n"
         os.write(self._fd, line.encode())  # one write per line: ranks' lines never interleave
 
     def close(self) -> None:
         os.close(self._fd)
 
 
+class LastStep:
+    """Which completed step the model, optimizer and scheduler hold right now, and where the
+    data stands after it; None while an update is being applied.
+
+    A worker that leaves mid-step keeps this state from whichever thread gets there (the
+    watchdog, when the main thread is stuck in a collective), so an update must not be
+    half applied then: the lock is held while the optimizer and scheduler step.
+    """
+
+    def __init__(self, step: int, position: DataPosition) -> None:
+        self.lock = threading.Lock()
+        self.held: tuple[int, DataPosition] | None = (step, position)
+
+    @contextmanager
+    def advancing(self, step: int, position: DataPosition) -> Iterator[None]:
+        """Around the update that completes ``step``; ``position`` is the data after it."""
+        with self.lock:
+            self.held = None
+            yield
+            self.held = (step, position)
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, task: SyntheticTask,
                ids: torch.Tensor, global_batch_size: int, world_size: int,
-               device: torch.device) -> torch.Tensor:
+               device: torch.device,
+               updating: AbstractContextManager[object] | None = None) -> torch.Tensor:
     """One optimizer step on this rank's share; returns the share's summed loss.
 
     The loss is scaled so that DDP's average over ranks is the mean over the global
     batch: gradients, and so the learning rate, do not depend on the world size.
+    ``updating`` is entered around the update of parameters and optimizer state.
     """
     inputs = task.inputs[ids].to(device, non_blocking=True)
     targets = task.targets[ids].to(device, non_blocking=True)
@@ -139,10 +170,28 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     per_sample = ((model(inputs) - targets) ** 2).mean(dim=1)
     loss_sum = per_sample.sum()
     (loss_sum * (world_size / global_batch_size)).backward()
-    optimizer.step()
-    scheduler.step()
+    with updating or nullcontext():
+        optimizer.step()
+        scheduler.step()
     result: torch.Tensor = loss_sum.detach()
     return result
+
+
+def settle_buckets(ddp: DistributedDataParallel, empty_batch: torch.Tensor) -> None:
+    """One synchronised backward on an empty batch, so that DDP rebuilds its gradient buckets
+    before the first real step instead of after it.
+
+    DDP reduces its first iteration in one bucket in parameter order and every later one in
+    buckets rebuilt in the order gradients became ready. Gloo's ring all-reduce sums an element
+    in an order set by its offset in its bucket, so with 3 or more ranks the two layouts round
+    differently: a generation resumed from a snapshot would reduce its first step in the initial
+    layout where the uninterrupted run used the rebuilt one. With this, every real step of every
+    generation uses the rebuilt layout. The gradients (zeros) are dropped; the optimizer and
+    scheduler are not touched.
+    """
+    ddp(empty_batch).sum().backward()
+    for param in ddp.module.parameters():
+        param.grad = None
 
 
 def _report_snapshot(metrics: MetricsLog, progress: Progress, step: int,
@@ -166,6 +215,7 @@ class Trainer:
                  main_at: float | None = None) -> None:
         self.settings = settings
         self.guard = guard
+        guard.keep_state = self._keep_last_step
         self.env = DistEnv.from_environ()
         self._times = {"launched_at": launched_at(), "main_at": main_at or time.time()}
         self.device = init_distributed(self.env, settings.collective_timeout)
@@ -184,36 +234,39 @@ class Trainer:
                                            weight_decay=0.01)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, partial(lr_factor, total=settings.steps, warmup=settings.warmup_steps))
-        self.snapshots = (Snapshotter(settings.snapshot_dir, keep=settings.keep)
-                          if settings.snapshot_dir is not None else None)
+        self.snapshots = Snapshotter(settings.snapshot_dir, keep=settings.keep)
         self.recorder = (SampleRecorder(settings.record_samples, self.rank, self.world_size,
                                         f"{self.env.run_id}/{self.env.restart}")
                          if settings.record_samples is not None else None)
         self.progress = open_progress(
             rank=self.rank, every_s=settings.progress_every, total=settings.steps,
             global_batch_size=settings.global_batch_size, world_size=self.world_size,
-            restarts=self.env.restart, snapshots_on=self.snapshots is not None, stream=sys.stdout)
+            restarts=self.env.restart, snapshots_on=settings.snapshot_dir is not None,
+            stream=sys.stdout)
         self.step = 0
         self.position = DataPosition()
+        self.last = LastStep(self.step, self.position)
         self._restored_age_s: float | None = None
+        self._restore_event: dict[str, Any] = {}
 
-    def _state(self) -> dict[str, Any]:
+    def _state(self, position: DataPosition | None = None) -> dict[str, Any]:
         s = self.settings
+        at = self.position if position is None else position
         return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
-                "data": {**self.position.to_state(), "seed": s.seed, "dataset_size": s.dataset_size,
+                "data": {**at.to_state(), "seed": s.seed, "dataset_size": s.dataset_size,
                          "global_batch_size": s.global_batch_size}}
 
     def restore(self) -> int | None:
-        if self.snapshots is None:
-            return None
+        started = time.perf_counter()
         restored = self.snapshots.restore(
             {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler})
+        self._report_restore(restored, time.perf_counter() - started)
         if restored is None:
             return None
         data = restored.state["data"]
         s = self.settings
         if (data["seed"], data["dataset_size"]) != (s.seed, s.dataset_size):
-            raise SnapshotError(f"{restored.path} was taken with --seed {data['seed']} and "
+            raise SnapshotError(f"{restored.origin} was taken with --seed {data['seed']} and "
                                 f"--dataset-size {data['dataset_size']}; this run has {s.seed} and "
                                 f"{s.dataset_size}, so its data order would not continue")
         if data["global_batch_size"] != s.global_batch_size:
@@ -222,28 +275,62 @@ class Trainer:
                            data["global_batch_size"], s.global_batch_size, data["offset"])
         self.step = restored.step
         self.position = DataPosition.from_state(data)
-        if restored.created is not None:
+        self.last = LastStep(self.step, self.position)
+        if restored.created is not None and restored.source == Source.DISK:
             self._restored_age_s = max(0.0, time.time() - restored.created)
         return restored.step
+
+    def _report_restore(self, restored: Restored | None, seconds: float) -> None:
+        """What the ``restore`` event (logged after ``start``) says: where the state came
+        from, its step, size and the time it took."""
+        if restored is None:
+            self._restore_event = {"step": 0, "source": Source.NONE, "bytes": 0,
+                                   "seconds": seconds}
+        else:
+            self._restore_event = {"step": restored.step, "source": restored.source,
+                                   "bytes": restored.bytes, "seconds": seconds}
+
+    def _keep_last_step(self, why: str) -> None:
+        """Keep the completed step the state holds in node memory (the guard calls this
+        before the worker leaves mid-step, from any thread)."""
+        with self.last.lock:
+            held = self.last.held
+            if held is None:
+                logger.warning("not keeping the state: it was being updated when the worker "
+                               "had to leave (%s)", why)
+                return
+            step, position = held
+            kept = self.snapshots.keep_local(step, self._state(position))
+        if kept is not None:
+            logger.info("kept the state of step %d in node memory (%s)", step, why)
+        self.metrics.emit("fault", step, why=why, kept=step if kept is not None else None)
 
     def run(self) -> int:
         s = self.settings
         resumed_from = self.restore()
         self._times["restored_at"] = time.time()
         self.metrics.emit("start", self.step, resumed_from=resumed_from, **self._times)
+        restore = self._restore_event
+        self.metrics.emit("restore", restore.pop("step"), **restore)
         logger.info("rank %d/%d pid %d starting at step %d (%s)", self.rank, self.world_size,
                     os.getpid(), self.step, "resumed" if resumed_from is not None else "fresh")
         self.progress.start(self.step, resumed_from, self._restored_age_s)
         ddp = DistributedDataParallel(
             self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        try:
+            settle_buckets(ddp, self.task.inputs[:0].to(self.device))
+        except Exception as exc:
+            self.progress.close()
+            exit_now(self.guard.failure_exit_code(exc))  # re-raises what is not a peer's fault
         while self.step < s.steps:
             ids, after = next_batch(self.position, s.seed, s.global_batch_size, s.dataset_size)
             mine = shard(ids, self.rank, self.world_size)
             try:
                 loss_sum = train_step(ddp, self.optimizer, self.scheduler, self.task, mine,
-                                      s.global_batch_size, self.world_size, self.device)
+                                      s.global_batch_size, self.world_size, self.device,
+                                      updating=self.last.advancing(self.step + 1, after))
                 if self.recorder is not None:
-                    self.recorder.record(self.step + 1, after.epoch, mine)
+                    self.recorder.record(self.step + 1, after.epoch, mine, ids)
                 if s.step_delay > 0:
                     time.sleep(s.step_delay)
                 agreed = self.guard.agree(loss_sum.reshape(1))
@@ -257,8 +344,8 @@ class Trainer:
             self.metrics.emit("step", self.step, loss=loss)
             self.progress.step(self.step, loss)
             if agreed.stop:
-                self._preempted()
-            if (self.snapshots is not None and s.snapshot_every > 0
+                self._stopped_for_restart() if agreed.restart else self._preempted()
+            if (s.snapshot_dir is not None and s.snapshot_every > 0
                     and self.step % s.snapshot_every == 0 and self.step < s.steps):
                 future = self.snapshots.commit(self.step, self._state())
                 future.add_done_callback(
@@ -274,7 +361,7 @@ class Trainer:
         return 0
 
     def _commit_now(self) -> None:
-        if self.snapshots is None:
+        if self.settings.snapshot_dir is None:
             return
         try:
             info = self.snapshots.commit_now(self.step, self._state())
@@ -288,11 +375,26 @@ class Trainer:
             self.metrics.emit("snapshot", self.step, blocking_s=info.blocking_s,
                               write_s=info.write_s, bytes=info.size)
 
+    def _stopped_for_restart(self) -> None:
+        """Every signalled rank's agent is restarting the round (a membership change): keep
+        this step in node memory, where the next round's hand-off takes it from."""
+        reason = control.leaving_reason() or "membership"
+        logger.info("stopping at step %d: the etcd-ext agent restarts the round (%s)", self.step,
+                    reason)
+        kept = self.snapshots.keep_local(self.step, self._state())
+        self.metrics.emit("stopped", self.step, reason=reason,
+                          kept=self.step if kept is not None else None)
+        self.progress.finish("stopped")
+        code = self.guard.preempted_exit_code()
+        self.close()
+        exit_now(code)
+
     def _preempted(self) -> None:
         received = self.guard.signalled
         logger.warning("stopping at step %d: %s", self.step,
                        f"got {signal.Signals(received).name}" if received
                        else "a peer was signalled")
+        self.snapshots.keep_local(self.step, self._state())
         self._commit_now()
         self.metrics.emit("preempted", self.step,
                           signal=signal.Signals(received).name if received else None)
@@ -306,8 +408,7 @@ class Trainer:
         process exits at once (``exit_now``), and with torch 2.13 freeing a gloo group can
         deadlock on the GIL (pytorch issues 75097 and 56297; PR 179291)."""
         self.progress.close()
-        if self.snapshots is not None:
-            self.snapshots.close()
+        self.snapshots.close()
         if self.recorder is not None:
             self.recorder.close()
         self.metrics.close()

@@ -22,7 +22,11 @@ STORES = ("etcd", "embedded", "stock-c10d")
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What to run: the store, the node range and each node's command after torchrun's flags."""
+    """What to run: the store, the node range and each node's command after torchrun's flags.
+
+    ``{node}`` in the command becomes each node's name (``node0``, ``node1``...): a
+    directory of each node's own, as on machines that share no filesystem.
+    """
 
     command: Sequence[str]
     store: str = "etcd"  # etcd-ext on etcd, etcd-ext on its embedded store, or stock c10d
@@ -163,7 +167,7 @@ class LocalJob:
                "--monitor-interval=0.1", *spec.extra_torchrun_args]
         if conf:
             cmd.append(f"--rdzv-conf={','.join(conf)}")
-        cmd += list(spec.command)
+        cmd += [arg.replace("{node}", name) for arg in spec.command]
         env = dict(os.environ)
         env.update({"OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO", **dict(host.env), **spec.env})
         node = Node(name, self.processes.spawn(name, cmd, env=env), host, events_file)

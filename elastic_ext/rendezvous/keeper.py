@@ -212,6 +212,7 @@ class Keeper:
         assert self._round is not None
         logger.info("etcd-ext: leaving round %d: %s", self._round[1], pressure.why)
         self._pressure = pressure
+        self._control.publish_leaving(self._round[1], pressure.reason.value)
         self._events.emit(EventKind.LEAVING_ROUND, f"leaving round {self._round[1]}: "
                           f"{pressure.why}", round=self._round[1], why=pressure.why,
                           reason=pressure.reason.value)

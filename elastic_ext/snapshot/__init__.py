@@ -10,27 +10,41 @@ Restore takes the newest snapshot whose checksum verifies, skipping corrupt or
 truncated ones with a warning that names the file, and refuses a snapshot taken
 of a different model with :class:`SnapshotMismatchError`.
 
-State replicated under DDP is written once, by global rank 0, into a directory
-every rank can read (a shared filesystem when the job spans nodes). Sharded state
-(FSDP, tensor parallel) is out of scope: every rank would have to write its part.
+State replicated under DDP is written once, by global rank 0, into its own view of
+the directory; it need not be shared. A worker that leaves without a durable
+snapshot keeps its last completed step in node memory (``local``), and restore
+takes the newest step any rank holds, checks that its holders agree (``agreement``)
+and has the lowest holder send it to every rank (``handoff``). Sharded state (FSDP,
+tensor parallel) is out of scope: every rank would have to keep its part.
 
 This package exports what a training loop and an operator need. The parts, one
 job each, are importable on their own: ``layout`` (file names, the manifest),
 ``retention`` (what to keep and delete), ``durable`` (atomic writes, verification),
 ``payload`` (the file format), ``tree`` (the walk over a state tree), ``staging``
-(host buffers), ``rng`` (RNG states), ``errors`` and ``hook`` (:class:`Snapshotter`).
+(host buffers), ``rng`` (RNG states), ``local`` (copies in node memory),
+``agreement`` (who restores what, decided), ``handoff`` (the collectives that move
+it), ``errors`` and ``hook`` (:class:`Snapshotter`).
 """
 
 from __future__ import annotations
 
 from elastic_ext.snapshot.durable import newest_valid, verify
 from elastic_ext.snapshot.errors import SnapshotError, SnapshotMismatchError, SnapshotWriteError
-from elastic_ext.snapshot.hook import DEFAULT_KEEP, Restored, SnapshotInfo, Snapshotter, Stateful
+from elastic_ext.snapshot.hook import (
+    DEFAULT_KEEP,
+    Restored,
+    SnapshotInfo,
+    Snapshotter,
+    Source,
+    Stateful,
+)
 from elastic_ext.snapshot.layout import Manifest
+from elastic_ext.snapshot.local import LocalCopies
 from elastic_ext.snapshot.payload import load_payload
 
 __all__ = [
     "DEFAULT_KEEP",
+    "LocalCopies",
     "Manifest",
     "Restored",
     "SnapshotError",
@@ -38,6 +52,7 @@ __all__ = [
     "SnapshotMismatchError",
     "SnapshotWriteError",
     "Snapshotter",
+    "Source",
     "Stateful",
     "load_payload",
     "newest_valid",

@@ -13,12 +13,20 @@ import hashlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
-from elastic_ext.snapshot.layout import Manifest, manifest_name, tmp_name
-from elastic_ext.snapshot.retention import newest_first
+from elastic_ext.snapshot.layout import (
+    FORMAT_VERSION,
+    Manifest,
+    manifest_name,
+    payload_name,
+    tmp_name,
+)
+from elastic_ext.snapshot.payload import write_payload
+from elastic_ext.snapshot.retention import newest_first, retention_plan
 
 logger = logging.getLogger("elastic_ext.snapshot")  # the whole package logs under one name
 
@@ -98,6 +106,48 @@ def durable_write(directory: Path, name: str, fill: Callable[[HashingWriter], ob
     return writer.hexdigest(), writer.size
 
 
+def write_snapshot(directory: Path, step: int, tree: Any, keep: int) -> Manifest:
+    """Write the snapshot of ``step`` (payload, then its manifest) and keep the newest ``keep``.
+
+    Redoing a step (after a restart) retires the old manifest once the new payload is
+    safely written, so the old snapshot is absent, never corrupt, until the new one lands.
+    OSError and RuntimeError come from the disk or the serializer; a failure to prune
+    old snapshots is only logged.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    old_manifest = directory / manifest_name(step)
+
+    def retire_old_manifest() -> None:
+        if old_manifest.exists():
+            old_manifest.unlink()
+            fsync_dir(directory)
+
+    payload = {"format": FORMAT_VERSION, "step": step, "state": tree}
+    sha, size = durable_write(directory, payload_name(step), lambda f: write_payload(f, payload),
+                              before_replace=retire_old_manifest)
+    manifest = Manifest(step=step, payload=payload_name(step), sha256=sha, size=size,
+                        created=time.time())
+    text = manifest.to_json().encode()
+    durable_write(directory, manifest_name(step), lambda f: f.write(text))
+    try:
+        prune(directory, keep)
+    except OSError as exc:
+        logger.warning("could not prune old snapshots in %s: %s", directory, exc)
+    return manifest
+
+
+def prune(directory: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` snapshots (manifests first: a half-deleted
+    snapshot is simply absent) and payloads left without a manifest."""
+    plan = retention_plan(os.listdir(directory), keep)
+    for step in plan.manifests:
+        (directory / manifest_name(step)).unlink(missing_ok=True)
+    for step in plan.payloads:
+        (directory / payload_name(step)).unlink(missing_ok=True)
+    if plan.manifests or plan.payloads:
+        fsync_dir(directory)
+
+
 def file_sha256(path: Path) -> tuple[str, int]:
     """The sha256 and size of the file at ``path``, read in chunks."""
     digest = hashlib.sha256()
@@ -151,5 +201,7 @@ __all__ = [
     "file_sha256",
     "fsync_dir",
     "newest_valid",
+    "prune",
     "verify",
+    "write_snapshot",
 ]

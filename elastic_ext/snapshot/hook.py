@@ -2,8 +2,10 @@
 
 It ties the other modules together: a commit stages the state in host memory (the
 only part the loop waits for) and one background thread writes the payload and
-then its manifest durably; restore picks the newest snapshot that verifies on rank
-0, loads that one on every rank, and refuses a snapshot of a different model.
+then its manifest durably; ``keep`` leaves the state of the last completed step in
+node memory for the next workers on the node; restore finds the newest step any rank
+holds, in node memory or on disk, has the lowest holder send it to every rank, and
+refuses a snapshot of a different model.
 """
 
 from __future__ import annotations
@@ -17,18 +19,21 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
 from elastic_ext.distributed import collective_device, rank, world_size
 from elastic_ext.procinfo import pid_alive
-from elastic_ext.snapshot.durable import durable_write, fsync_dir, newest_valid, verify
+from elastic_ext.snapshot.agreement import Copy, Holding, Kind, Plan, plan_restore
+from elastic_ext.snapshot.durable import newest_valid, write_snapshot
 from elastic_ext.snapshot.errors import SnapshotError, SnapshotMismatchError, SnapshotWriteError
-from elastic_ext.snapshot.layout import FORMAT_VERSION, Manifest, manifest_name, payload_name
-from elastic_ext.snapshot.payload import load_payload, write_payload
-from elastic_ext.snapshot.retention import retention_plan, stale_tmp_files
+from elastic_ext.snapshot.handoff import gather, local_rank, read_bytes, send
+from elastic_ext.snapshot.layout import FORMAT_VERSION, Manifest
+from elastic_ext.snapshot.local import LocalCopies
+from elastic_ext.snapshot.payload import load_payload, load_payload_buffer
+from elastic_ext.snapshot.retention import stale_tmp_files
 from elastic_ext.snapshot.rng import capture_rng, restore_rng
 from elastic_ext.snapshot.staging import HostStaging
 
@@ -62,15 +67,33 @@ class SnapshotInfo:
     write_s: float
 
 
+class Source:
+    """Where a restored state came from, as the ``restore`` metrics event names it."""
+
+    LOCAL = "local"  # this rank's own copy in node memory
+    PEER = "peer"    # another rank's copy in node memory, sent over the process group
+    DISK = "disk"    # a snapshot directory (this rank's or, sent, another's)
+    NONE = "none"    # nothing to restore: a fresh start
+
+
 @dataclass(frozen=True)
 class Restored:
     """What :meth:`Snapshotter.restore` loaded; ``state`` holds the entries it did not apply."""
 
     step: int
-    path: Path
+    path: Path | None
+    """The file loaded on this rank; None when it was sent by another rank."""
     state: dict[str, Any]
     created: float | None = None
-    """Unix time the snapshot became durable (its manifest's); None if that is unreadable."""
+    """Unix time the copy was written (its manifest's)."""
+    source: str = Source.DISK
+    """One of :class:`Source`'s values."""
+    origin: str = ""
+    """The copy in words, for messages: ``rank 2's copy of step 40 in node memory``."""
+    bytes: int = 0
+    """Size of the payload loaded (or sent, on the sending rank)."""
+    seconds: float = 0.0
+    """Time from the start of ``restore`` until the state was applied."""
 
 
 def shape_mismatches(expected: Mapping[str, Any], found: Mapping[str, Any]) -> list[str]:
@@ -101,27 +124,35 @@ def _lower_writer_priority() -> None:
 
 
 class Snapshotter:
-    """Commits and restores training state in ``directory``; global rank 0 writes.
+    """Commits training state to ``directory``, keeps it in node memory, restores it.
 
-    ``commit`` returns as soon as the state is in host memory; ``commit_now`` (for a
-    preemption) returns once the snapshot is durable on every rank's view of it;
-    ``restore`` picks and loads the newest valid snapshot on every rank. With
-    ``torch.distributed`` initialized, ``commit_now`` and ``restore`` are collective:
-    call them on every rank.
+    Global rank 0 writes snapshots into its own view of ``directory``, which need not
+    be shared: restore asks every node. ``commit`` returns as soon as the state is in
+    host memory; ``commit_now`` (for a preemption) returns once the snapshot is
+    durable; ``keep`` writes the last completed step into node memory; ``restore``
+    loads the newest step any rank holds on every rank. With ``torch.distributed``
+    initialized, ``commit_now`` and ``restore`` are collective: call them on every rank.
+
+    ``directory`` None: no snapshots on disk, only the copies in node memory.
+    ``local``: where ``keep`` writes; by default the directory of this worker's
+    etcd-ext agent (none under another launcher: ``keep`` does nothing).
     """
 
-    def __init__(self, directory: str | os.PathLike[str], *, keep: int = DEFAULT_KEEP,
-                 capture_rng_states: bool = True) -> None:
+    def __init__(self, directory: str | os.PathLike[str] | None, *, keep: int = DEFAULT_KEEP,
+                 capture_rng_states: bool = True,
+                 local: LocalCopies | None | Literal["agent"] = "agent") -> None:
         if keep < 1:
             raise ValueError("keep must be at least 1")
-        self.directory = Path(directory)
+        self.directory = Path(directory) if directory is not None else None
         self.keep = keep
         self.capture_rng_states = capture_rng_states
-        self.is_writer = rank() == 0
+        self.local = LocalCopies.of_this_node() if local == "agent" else local
+        self.is_writer = rank() == 0 and self.directory is not None
         self._staging = HostStaging()
         self._inflight: concurrent.futures.Future[SnapshotInfo | None] | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         if self.is_writer:
+            assert self.directory is not None
             self.directory.mkdir(parents=True, exist_ok=True)
             self._remove_stale_tmp()
 
@@ -134,7 +165,7 @@ class Snapshotter:
         to plain values (tensors, numbers, containers). If the previous write is still
         running, this waits for it first: that wait counts as blocking. The future
         holds the :class:`SnapshotInfo` once durable, or the write's exception; on
-        ranks other than 0 it is already done and holds None.
+        ranks other than 0, and without a directory, it is already done and holds None.
         """
         start = time.perf_counter()
         if not self.is_writer:
@@ -142,8 +173,7 @@ class Snapshotter:
             done.set_result(None)
             return done
         self._wait_inflight()
-        tree = {name: (value.state_dict() if isinstance(value, Stateful) else value)
-                for name, value in state.items()}
+        tree = _state_tree(state)
         if RNG_KEY in tree:
             raise ValueError(f"{RNG_KEY!r} is reserved for the RNG states")
         if self.capture_rng_states:
@@ -218,46 +248,32 @@ class Snapshotter:
         if event is not None:
             event.synchronize()
         directory = self.directory
+        assert directory is not None
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            old_manifest = directory / manifest_name(step)
-
-            def retire_old_manifest() -> None:
-                # Redoing a step after a restart: once the new payload is safely written, make
-                # the old snapshot of this step absent (not "corrupt") until the new manifest lands.
-                if old_manifest.exists():
-                    old_manifest.unlink()
-                    fsync_dir(directory)
-
-            payload = {"format": FORMAT_VERSION, "step": step, "state": tree}
-            sha, size = durable_write(directory, payload_name(step),
-                                      lambda f: write_payload(f, payload),
-                                      before_replace=retire_old_manifest)
-            manifest = Manifest(step=step, payload=payload_name(step), sha256=sha, size=size,
-                                created=time.time())
-            text = manifest.to_json().encode()
-            durable_write(directory, manifest_name(step), lambda f: f.write(text))
+            manifest = write_snapshot(directory, step, tree, self.keep)
         except (OSError, RuntimeError) as exc:
             raise SnapshotWriteError(f"could not write the snapshot of step {step} to {directory}: "
                                      f"{exc}; older snapshots are kept") from exc
-        try:
-            self._apply_retention()
-        except OSError as exc:
-            logger.warning("could not prune old snapshots in %s: %s", directory, exc)
-        return SnapshotInfo(step=step, payload=directory / payload_name(step),
-                            manifest=directory / manifest_name(step), sha256=sha, size=size,
+        return SnapshotInfo(step=step, payload=directory / manifest.payload,
+                            manifest=directory / f"{Path(manifest.payload).stem}.json",
+                            sha256=manifest.sha256, size=manifest.size,
                             blocking_s=blocking_s, write_s=time.perf_counter() - start)
 
-    def _apply_retention(self) -> None:
-        plan = retention_plan(os.listdir(self.directory), self.keep)
-        for step in plan.manifests:  # manifest first: a half-deleted snapshot is simply absent
-            (self.directory / manifest_name(step)).unlink(missing_ok=True)
-        for step in plan.payloads:
-            (self.directory / payload_name(step)).unlink(missing_ok=True)
-        if plan.manifests or plan.payloads:
-            fsync_dir(self.directory)
+    def keep_local(self, step: int, state: Mapping[str, Any]) -> Manifest | None:
+        """Keep the state of completed ``step`` in node memory for the next workers here.
+
+        Synchronous and local (no collective): for a worker that is about to leave
+        without a durable snapshot. RNG states are left out (see
+        ``elastic_ext.snapshot.local``). None when there is nowhere to keep it, when
+        another worker of this node kept that step already, or when the write failed
+        (logged).
+        """
+        if self.local is None:
+            return None
+        return self.local.write(step, _state_tree(state))
 
     def _remove_stale_tmp(self) -> None:
+        assert self.directory is not None
         for name in stale_tmp_files(os.listdir(self.directory), socket.gethostname(), pid_alive):
             logger.info("removing %s, left by a writer that died", self.directory / name)
             (self.directory / name).unlink(missing_ok=True)
@@ -265,79 +281,120 @@ class Snapshotter:
     # -- restoring
     def latest(self) -> Manifest | None:
         """The newest snapshot here whose checksum verifies (local, no collective)."""
-        return newest_valid(self.directory)
+        return newest_valid(self.directory) if self.directory is not None else None
 
     def restore(self, objects: Mapping[str, Stateful], *, restore_rng_states: bool = True,
                 weights_only: bool = True) -> Restored | None:
-        """Load the newest valid snapshot into ``objects``; None when there is none.
+        """Load the newest step any rank holds into ``objects`` on every rank; None if none.
 
-        Rank 0 chooses the snapshot and every rank loads that one, so all agree even
-        if the directory changes meanwhile. Modules are checked key by key and shape
-        by shape before anything is loaded; a mismatch raises
-        :class:`SnapshotMismatchError`. RNG states are rank 0's, restored everywhere.
+        Every rank reports its newest copy in node memory and (local rank 0 of each
+        node) its newest valid snapshot on disk; the newest step wins, a copy in memory
+        before one on disk, and the lowest rank holding it sends it to all, unless
+        every rank holds that very copy. Modules are checked key by key and shape by
+        shape before anything is loaded; a mismatch raises
+        :class:`SnapshotMismatchError`. RNG states travel only in disk snapshots (rank
+        0's when written), and are then restored everywhere.
         """
-        chosen: int | None = None
-        failure = ""
+        started = time.perf_counter()
+        mine, paths = self._look()
+        holdings = gather(mine)
+        failed = [r for r, holding in enumerate(holdings) if holding.failed]
+        if failed:
+            raise SnapshotError(f"rank {failed[0]} could not list its snapshots in "
+                                f"{self.directory}; see its log")
+        plan = plan_restore(holdings)
         if rank() == 0:
-            try:
-                manifest = self.latest()
-                chosen = manifest.step if manifest else None
-            except OSError as exc:
-                failure = f"could not list snapshots in {self.directory}: {exc}"
-        if world_size() > 1:
-            box = torch.tensor([-1 if chosen is None else chosen, 1 if failure else 0],
-                               dtype=torch.int64, device=collective_device())
-            dist.broadcast(box, src=0)
-            chosen = None if int(box[0]) < 0 else int(box[0])
-            if int(box[1]) and not failure:
-                failure = "rank 0 could not list the snapshots; see its log"
-        if failure:
-            raise SnapshotError(failure)
-        if chosen is None:
+            for warning in plan.warnings:
+                logger.warning("%s", warning)
+        if plan.step is None:
             return None
-        return self._load(chosen, objects, restore_rng_states, weights_only)
+        return self._receive(plan, plan.holds(mine), paths, objects, restore_rng_states,
+                             weights_only, started)
 
-    def _load(self, step: int, objects: Mapping[str, Stateful], restore_rng_states: bool,
-              weights_only: bool) -> Restored:
-        path = self.directory / payload_name(step)
-        if rank() != 0:
+    def _look(self) -> tuple[Holding, dict[Kind, Path]]:
+        """This rank's newest copy in node memory and, on local rank 0, on disk."""
+        memory = disk = None
+        failed = False
+        paths: dict[Kind, Path] = {}
+        if self.local is not None:
             try:
-                verify(self.directory, step)
-            except (OSError, ValueError) as exc:
-                raise SnapshotError(
-                    f"rank 0 chose {path} but this rank cannot read it intact ({exc}); "
-                    f"is {self.directory} on a filesystem every node shares?") from exc
-        payload = load_payload(path, weights_only=weights_only)
+                memory = self.local.newest()
+            except OSError as exc:
+                logger.warning("could not look for kept state in %s: %s", self.local.directory,
+                               exc)
+            if memory is not None:
+                paths[Kind.MEMORY] = self.local.directory / memory.payload
+        if self.directory is not None and local_rank() == 0:
+            try:
+                disk = newest_valid(self.directory)
+            except OSError as exc:
+                logger.error("could not list snapshots in %s: %s", self.directory, exc)
+                failed = True
+            if disk is not None:
+                paths[Kind.DISK] = self.directory / disk.payload
+        return Holding(memory=Copy.of(memory), disk=Copy.of(disk), failed=failed), paths
+
+    def _receive(self, plan: Plan, held: bool, paths: dict[Kind, Path],
+                 objects: Mapping[str, Stateful], restore_rng_states: bool, weights_only: bool,
+                 started: float) -> Restored:
+        assert plan.kind is not None and plan.copy is not None and plan.step is not None
+        where = "node memory" if plan.kind is Kind.MEMORY else "its snapshot directory"
+        origin = f"rank {plan.source}'s copy of step {plan.step} in {where}"
+        path: Path | None = None
+        if plan.everyone_holds or world_size() == 1:
+            path = paths[plan.kind]
+            origin = str(path)
+            payload = load_payload(path, weights_only=weights_only)
+        else:
+            buffer = None
+            if rank() == plan.source:
+                path = paths[plan.kind]
+                origin = str(path)
+                buffer = read_bytes(path, plan.copy.size)
+            buffer = send(buffer, plan.copy, plan.source)
+            payload = load_payload_buffer(buffer, origin, weights_only=weights_only)
+        if plan.kind is Kind.DISK:
+            source = Source.DISK
+        else:
+            source = Source.LOCAL if held and (plan.everyone_holds or rank() == plan.source) \
+                else Source.PEER
+        state = self._apply(payload, origin, objects, restore_rng_states)
+        logger.info("restored step %d from %s", plan.step, origin)
+        return Restored(step=plan.step, path=path, state=state, created=plan.copy.created or None,
+                        source=source, origin=origin, bytes=plan.copy.size,
+                        seconds=time.perf_counter() - started)
+
+    def _apply(self, payload: dict[str, Any], origin: str, objects: Mapping[str, Stateful],
+               restore_rng_states: bool) -> dict[str, Any]:
+        """Load ``payload``'s entries into ``objects``; the entries left over."""
         if payload.get("format") != FORMAT_VERSION:
-            raise SnapshotError(f"{path} is not a snapshot of format {FORMAT_VERSION}")
+            raise SnapshotError(f"{origin} is not a snapshot of format {FORMAT_VERSION}")
         state: dict[str, Any] = dict(payload["state"])
         for name, obj in objects.items():
             if name not in state:
                 raise SnapshotMismatchError(
-                    f"{path} has no entry {name!r} (it has {sorted(state)})")
+                    f"{origin} has no entry {name!r} (it has {sorted(state)})")
             saved = state.pop(name)
             if isinstance(obj, torch.nn.Module):
                 problems = shape_mismatches(obj.state_dict(), saved)
                 if problems:
                     shown = "; ".join(problems[:5]) + ("; ..." if len(problems) > 5 else "")
                     raise SnapshotMismatchError(
-                        f"{path} was taken of a different model than {name!r}: {shown}")
+                        f"{origin} was taken of a different model than {name!r}: {shown}")
             try:
                 obj.load_state_dict(saved)
             except (RuntimeError, ValueError, KeyError, TypeError) as exc:
-                raise SnapshotMismatchError(f"{path} does not fit {name!r}: {exc}") from exc
+                raise SnapshotMismatchError(f"{origin} does not fit {name!r}: {exc}") from exc
         rng = state.pop(RNG_KEY, None)
         if restore_rng_states and rng is not None:
             restore_rng(rng)
-        logger.info("restored step %d from %s", step, path)
-        return Restored(step=step, path=path, state=state, created=self._created(step))
+        return state
 
-    def _created(self, step: int) -> float | None:
-        try:
-            text = (self.directory / manifest_name(step)).read_text()
-            return Manifest.from_json(text, step).created
-        except (OSError, ValueError):
-            return None
+
+def _state_tree(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with each stateful object replaced by its ``state_dict()``."""
+    return {name: (value.state_dict() if isinstance(value, Stateful) else value)
+            for name, value in state.items()}
 
 
 __all__ = [
@@ -347,6 +404,7 @@ __all__ = [
     "WRITER_NICE_ENV",
     "Restored",
     "SnapshotInfo",
+    "Source",
     "Snapshotter",
     "Stateful",
     "shape_mismatches",

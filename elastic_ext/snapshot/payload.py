@@ -13,6 +13,7 @@ bytes, each starting at a multiple of 64 bytes from the start of the file.
 from __future__ import annotations
 
 import io
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -89,35 +90,76 @@ def write_payload(out: Any, payload: Mapping[str, Any]) -> None:
         offset += len(view)
 
 
-def load_payload(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict[str, Any]:
-    """Read a payload written by :func:`write_payload` (no checksum check: see ``verify``)."""
-    with open(path, "rb", buffering=0) as f:
-        if f.read(len(PAYLOAD_MAGIC)) != PAYLOAD_MAGIC:
-            raise SnapshotError(f"{path} is not an elastic-ext snapshot payload")
-        length = int.from_bytes(f.read(8), "little")
-        header = torch.load(io.BytesIO(f.read(length)), map_location="cpu",
-                            weights_only=weights_only)
-        offset = len(PAYLOAD_MAGIC) + 8 + length
-        tensors = []
-        for dtype_name, shape in header["tensors"]:
-            dtype = getattr(torch, dtype_name)
-            if not isinstance(dtype, torch.dtype):
-                raise SnapshotError(f"{path} names an unknown dtype {dtype_name!r}")
-            f.seek(_padding(offset), os.SEEK_CUR)
-            offset += _padding(offset)
-            tensor = torch.empty(tuple(shape), dtype=dtype)
-            view = _byte_view(tensor)
-            done = 0
-            while done < len(view):
-                n = f.readinto(view[done:])
-                if not n:
-                    raise SnapshotError(f"{path} ends inside a tensor")
-                done += n
-            offset += len(view)
-            tensors.append(tensor)
+def _parse_header(raw: bytes, origin: str, weights_only: bool) -> dict[str, Any]:
+    header = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=weights_only)
+    if not isinstance(header, dict) or "tensors" not in header or "payload" not in header:
+        raise SnapshotError(f"{origin} has no valid payload header")
+    return header
+
+
+def _tensor_specs(header: Mapping[str, Any],
+                  origin: str) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    specs = []
+    for dtype_name, shape in header["tensors"]:
+        dtype = getattr(torch, dtype_name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise SnapshotError(f"{origin} names an unknown dtype {dtype_name!r}")
+        specs.append((dtype, tuple(shape)))
+    return specs
+
+
+def _finish(header: Mapping[str, Any], tensors: list[torch.Tensor]) -> dict[str, Any]:
     result = _join_tensors(header["payload"], tensors)
     assert isinstance(result, dict)
     return result
 
 
-__all__ = ["PAYLOAD_MAGIC", "load_payload", "write_payload"]
+def load_payload(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict[str, Any]:
+    """Read a payload written by :func:`write_payload` (no checksum check: see ``verify``)."""
+    origin = str(path)
+    with open(path, "rb", buffering=0) as f:
+        if f.read(len(PAYLOAD_MAGIC)) != PAYLOAD_MAGIC:
+            raise SnapshotError(f"{origin} is not an elastic-ext snapshot payload")
+        length = int.from_bytes(f.read(8), "little")
+        header = _parse_header(f.read(length), origin, weights_only)
+        offset = len(PAYLOAD_MAGIC) + 8 + length
+        tensors = []
+        for dtype, shape in _tensor_specs(header, origin):
+            f.seek(_padding(offset), os.SEEK_CUR)
+            offset += _padding(offset)
+            tensor = torch.empty(shape, dtype=dtype)
+            view = _byte_view(tensor)
+            done = 0
+            while done < len(view):
+                n = f.readinto(view[done:])
+                if not n:
+                    raise SnapshotError(f"{origin} ends inside a tensor")
+                done += n
+            offset += len(view)
+            tensors.append(tensor)
+    return _finish(header, tensors)
+
+
+def load_payload_buffer(buffer: torch.Tensor, origin: str, *,
+                        weights_only: bool = True) -> dict[str, Any]:
+    """The payload held in ``buffer`` (a 1-D uint8 CPU tensor, say one received from a
+    peer); its tensors are views into ``buffer``, not copies."""
+    data = buffer.numpy().data
+    if bytes(data[:len(PAYLOAD_MAGIC)]) != PAYLOAD_MAGIC:
+        raise SnapshotError(f"{origin} is not an elastic-ext snapshot payload")
+    start = len(PAYLOAD_MAGIC) + 8
+    length = int.from_bytes(bytes(data[len(PAYLOAD_MAGIC):start]), "little")
+    header = _parse_header(bytes(data[start:start + length]), origin, weights_only)
+    offset = start + length
+    tensors = []
+    for dtype, shape in _tensor_specs(header, origin):
+        offset += _padding(offset)
+        size = math.prod(shape) * dtype.itemsize
+        if offset + size > len(data):
+            raise SnapshotError(f"{origin} ends inside a tensor")
+        tensors.append(buffer[offset:offset + size].view(dtype).reshape(shape))
+        offset += size
+    return _finish(header, tensors)
+
+
+__all__ = ["PAYLOAD_MAGIC", "load_payload", "load_payload_buffer", "write_payload"]

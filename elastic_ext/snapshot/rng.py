@@ -34,12 +34,14 @@ def capture_rng() -> dict[str, Any]:
 
 def restore_rng(state: Mapping[str, Any]) -> None:
     """Set the generators to what :func:`capture_rng` returned (CUDA only on as many devices)."""
-    torch.set_rng_state(state["torch"])
+    # Copies: a state loaded from a received buffer is a view into it, which the
+    # generators' setters do not accept (torch 2.13 crashes on one).
+    torch.set_rng_state(state["torch"].clone())
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
-        cuda_states = list(state["cuda"])
+        cuda_states = [s.clone() for s in state["cuda"]]
         if len(cuda_states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(cuda_states)
         else:

@@ -1,0 +1,109 @@
+"""Which step every rank continues from, and who sends it: decided from what each holds.
+
+Pure functions over the ranks' reports, so the rule (the newest step any rank holds;
+holders of that step must agree on its checksum; a copy in node memory before one on
+disk; the lowest holder sends) is tested without processes. The collective that
+gathers the reports and moves the bytes is ``elastic_ext.snapshot.handoff``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from elastic_ext.snapshot.layout import Manifest
+
+
+class Kind(enum.Enum):
+    MEMORY = "memory"  # a copy kept in node memory (elastic_ext.snapshot.local)
+    DISK = "disk"      # a snapshot in the rank's --snapshot-dir
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One restorable copy: its step, payload size and sha256 (hex), and when it was written."""
+
+    step: int
+    size: int
+    sha256: str
+    created: float = 0.0
+
+    @classmethod
+    def of(cls, manifest: Manifest | None) -> Copy | None:
+        return None if manifest is None else cls(manifest.step, manifest.size, manifest.sha256,
+                                                 manifest.created)
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one rank can restore from; ``failed``: it could not look (its log says why)."""
+
+    memory: Copy | None = None
+    disk: Copy | None = None
+    failed: bool = False
+
+    def copy(self, kind: Kind) -> Copy | None:
+        return self.memory if kind is Kind.MEMORY else self.disk
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where the restored state comes from; ``step`` None: nothing to restore."""
+
+    step: int | None = None
+    kind: Kind | None = None
+    source: int = -1
+    """The rank that sends its copy (the lowest holder)."""
+    copy: Copy | None = None
+    everyone_holds: bool = False
+    """Every rank holds this very copy: each loads its own, nothing is sent."""
+    warnings: tuple[str, ...] = ()
+
+    def holds(self, holding: Holding) -> bool:
+        """Whether a rank with ``holding`` has the chosen copy itself."""
+        mine = holding.copy(self.kind) if self.kind is not None else None
+        return mine is not None and self.copy is not None and \
+            (mine.step, mine.sha256) == (self.copy.step, self.copy.sha256)
+
+
+_PREFERENCE = {Kind.MEMORY: 1, Kind.DISK: 0}  # at the same step, memory is faster
+
+
+def plan_restore(holdings: Sequence[Holding]) -> Plan:
+    """The newest step any rank holds, and the lowest rank holding it sends it.
+
+    Holders of the newest step in node memory must hold the same bytes; if they do not
+    (which would be a bug or a corrupt write), that step's memory copies are not used
+    and the next candidate is tried, with a warning. Disk snapshots of one step may
+    differ in their RNG states (a step redone after a restart); the lowest rank's wins.
+    """
+    warnings: list[str] = []
+    excluded: set[tuple[Kind, int]] = set()
+    while True:
+        candidates = {(copy.step, _PREFERENCE[kind], kind)
+                      for holding in holdings for kind in Kind
+                      if (copy := holding.copy(kind)) is not None
+                      and (kind, copy.step) not in excluded}
+        if not candidates:
+            return Plan(warnings=tuple(warnings))
+        step, _, kind = max(candidates, key=lambda c: (c[0], c[1]))
+        holders = [(rank, copy) for rank, holding in enumerate(holdings)
+                   if (copy := holding.copy(kind)) is not None and copy.step == step]
+        digests = {copy.sha256 for _, copy in holders}
+        if len(digests) > 1:
+            listing = ", ".join(f"rank {rank}: {copy.sha256[:12]}" for rank, copy in holders)
+            if kind is Kind.MEMORY:
+                warnings.append(f"the ranks holding step {step} in node memory hold different "
+                                f"states ({listing}); not using them")
+                excluded.add((kind, step))
+                continue
+            warnings.append(f"snapshots of step {step} differ between ranks ({listing}); "
+                            f"using rank {holders[0][0]}'s")
+        source, copy = holders[0]
+        everyone = kind is Kind.MEMORY and len(digests) == 1 and len(holders) == len(holdings)
+        return Plan(step=step, kind=kind, source=source, copy=copy, everyone_holds=everyone,
+                    warnings=tuple(warnings))
+
+
+__all__ = ["Copy", "Holding", "Kind", "Plan", "plan_restore"]
