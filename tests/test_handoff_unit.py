@@ -114,7 +114,7 @@ def test_a_damaged_copy_is_skipped_with_a_warning_naming_it(tmp_path: Path, dama
     with caplog.at_level(logging.WARNING, logger="elastic_ext.snapshot"):
         restored = Snapshotter(tmp_path / "disk", local=copies).restore({"model": model})
     assert restored is not None and (restored.step, restored.source) == (4, Source.DISK)
-    assert torch.equal(model.w, torch.full((3, 2), 4.0))
+    assert torch.equal(model.get_buffer("w"), torch.full((3, 2), 4.0))
     assert str(payload) in caplog.text
 
 
@@ -239,7 +239,12 @@ def test_the_state_is_kept_once_and_a_second_caller_waits_for_the_first() -> Non
     first.start()
     started.wait(5)
     second_done = threading.Event()
-    second = threading.Thread(target=lambda: (guard._keep("main"), second_done.set()))
+
+    def second_keep() -> None:
+        guard._keep("main")
+        second_done.set()
+
+    second = threading.Thread(target=second_keep)
     second.start()
     assert not second_done.wait(0.2)  # blocked until the first keep ends
     release.set()
