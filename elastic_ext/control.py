@@ -16,6 +16,7 @@ ends, and when an agent that was killed left one, by the next agent on the node.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
@@ -38,7 +39,7 @@ _DIR_RE = re.compile(rf"^{_DIR_PREFIX}(\d+)-")
 _NODE_MEMORY = Path("/dev/shm")
 
 
-def _base_directory() -> Path:
+def node_memory_directory() -> Path:
     """Node memory when the machine has a writable tmpfs there, the temporary directory else."""
     if _NODE_MEMORY.is_dir() and os.access(_NODE_MEMORY, os.W_OK | os.X_OK):
         return _NODE_MEMORY
@@ -83,10 +84,13 @@ class AgentControl:
     def __init__(self, path: Path | None = None) -> None:
         self._exported = path is None
         if path is None:
-            base = _base_directory()
+            base = node_memory_directory()
             remove_abandoned(base)
             path = Path(tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-", dir=base))
             os.environ[CONTROL_DIR_ENV] = str(path)
+            # torch's agent skips the rendezvous shutdown when a signal stops it, so the
+            # state kept in node memory must not depend on it to be freed.
+            atexit.register(self.close)
         self.path = path
         (self.path / STATE_SUBDIR).mkdir(mode=0o700, parents=True, exist_ok=True)
 

@@ -123,6 +123,8 @@ def as_data(summary: RunSummary, metrics: Path,
         "faults": [{"t": _rel(m.time, t0), "description": m.label} for m in summary.faults],
         "preemptions": [{"t": _rel(m.time, t0), "description": m.label}
                         for m in summary.preemptions],
+        "new_rounds": [{"t": _rel(m.time, t0), "description": m.label}
+                       for m in summary.new_rounds],
         "steps_redone": summary.steps_redone,
         "restarts": [{"t": _rel(b.time, t0), "world_before": b.world_before,
                       "world_after": b.world_after, "last_step": b.last_step,
@@ -157,7 +159,8 @@ def as_text(summary: RunSummary, metrics: Path, unreadable: Sequence[int] = ()) 
                      f"{_end_text(seg, number == summary.rounds)}")
     by_source = ", ".join(f"{name} {count}" for name, count in summary.restores_by_source().items())
     lines.append(f"restores by source: {by_source}")
-    for title, marks in (("faults", summary.faults), ("preemptions", summary.preemptions)):
+    for title, marks in (("faults", summary.faults), ("preemptions", summary.preemptions),
+                         ("new rounds at a step boundary", summary.new_rounds)):
         listed = f" ({'; '.join(m.label for m in marks)})" if marks else ""
         lines.append(f"{title}: {len(marks)}{listed}")
     lines.append(f"steps trained twice: {summary.steps_redone} (redone after a restore)")

@@ -271,6 +271,8 @@ class RunSummary:
     restores: tuple[Restore, ...]          # one per round
     faults: tuple[Mark, ...]               # rounds cut short and followed by another
     preemptions: tuple[Mark, ...]          # rounds that stopped on a signal, at the step boundary
+    new_rounds: tuple[Mark, ...]           # rounds the agents stopped at a step boundary to
+                                           # start another (a membership change)
     steps_redone: int                      # step events for a step already logged before
     startup_s: float | None                # the first start event to the first step
     gaps_s: tuple[float, ...]              # one round's last step to the next one's first step
@@ -311,7 +313,7 @@ class RunSummary:
                                               f"{restore.description}", "round"))
             if seg.step_times and (restore.round > 1 or restore.source != "fresh"):
                 marks.append(Mark(seg.step_times[0], "", "recovery"))
-        marks += [*self.preemptions, *self.faults]
+        marks += [*self.preemptions, *self.new_rounds, *self.faults]
         return sorted(marks, key=lambda m: m.time)
 
 
@@ -332,6 +334,8 @@ def summarize(events: Sequence[Event],
                    for n, old in enumerate(segments[:-1], 1) if old.end == "cut")
     preemptions = tuple(Mark(float(e["time"]), stop_label(e), "preempted")
                         for s in segments for e in s.events if e.get("event") == "preempted")
+    new_rounds = tuple(Mark(float(e["time"]), f"new round at step {e['step']}", "new-round")
+                       for s in segments for e in s.events if e.get("event") == "stopped")
 
     seen: set[int] = set()
     redone = 0
@@ -351,7 +355,8 @@ def summarize(events: Sequence[Event],
     return RunSummary(
         segments=tuple(segments),
         boundaries=tuple(Boundary.between(old, new) for old, new in pairwise(segments)),
-        restores=restores, faults=faults, preemptions=preemptions, steps_redone=redone,
+        restores=restores, faults=faults, preemptions=preemptions, new_rounds=new_rounds,
+        steps_redone=redone,
         startup_s=startup, gaps_s=gaps, total_s=max(times) - started, started=started,
         final_step=int(done[-1]["step"]) if done else None,
         params_sha256=done[-1].get("params_sha256") if done else None,

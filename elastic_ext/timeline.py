@@ -24,6 +24,7 @@ STYLES: dict[str, tuple[str, str]] = {
     "recovery": ("tab:green", "-"),    # the first step of a round, from its restored state
     "round": ("tab:blue", "-."),       # a round's start event
     "preempted": ("tab:purple", "--"),  # a round stopped on a signal at a step boundary
+    "new-round": ("tab:olive", "--"),   # a round stopped at a step boundary for a new one
 }
 
 

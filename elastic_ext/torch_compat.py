@@ -11,6 +11,7 @@ torch upgrade that removes or changes one fails loudly, naming it.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import signal
 import sys
@@ -101,7 +102,7 @@ def quiet_signal_exit() -> None:
     ``LAUNCH_AGENT`` re-raises out of torchrun's ``main``; Python then prints a stack
     trace and exits 1. The handler lives in the agent's process, so it can install an
     ``excepthook`` that says what happened in one line; every other exception keeps
-    the hook it had. The exit status stays 1: the interpreter sets it, not the hook.
+    the hook it had. The exit status stays torch's 1.
     """
     global _quiet_exit_installed
     if _quiet_exit_installed:
@@ -113,7 +114,13 @@ def quiet_signal_exit() -> None:
     def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         if isinstance(exc, SignalException):
             sys.stderr.write(STOPPED_LINE.format(signal=signal.Signals(exc.sigval).name) + "\n")
-            return
+            # Leave without interpreter teardown, after the exit handlers (logging's, the
+            # agent's clean-up): torch's agent skips the rendezvous shutdown after a signal,
+            # and destroying its live C++ stores at teardown can abort the process
+            # ("terminate called without an active exception") instead of exiting 1.
+            atexit._run_exitfuncs()
+            sys.stderr.flush()
+            os._exit(1)
         previous(kind, exc, tb)
 
     sys.excepthook = hook

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from elastic_ext.control import node_memory_directory
 from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.local.job import JobSpec, LocalJob, Node, wait_for_step
 from elastic_ext.local.processes import ProcessSet, signal_pids, wait_until
@@ -90,6 +91,11 @@ def test_deaths_and_a_join_with_a_directory_per_node_lose_at_most_the_step_in_fl
         survivors = [n for n in job.nodes if n.alive()]
         codes = [n.proc.wait(timeout=120) for n in survivors]
         assert codes == [0, 0], [n.proc.output()[-3000:] for n in survivors]
+    # What the nodes kept in memory goes with their agents: the survivors' at the end, the
+    # first victim's (SIGKILLed, it could not clean up) when the next agent started.
+    for node in [victim, *survivors]:
+        assert not list(node_memory_directory().glob(f"elastic-ext-ctl-{node.proc.pid}-*")), \
+            node.name
 
     restores = restores_after_the_first(tmp_path)
     assert [r["world_size"] for r in restores] == [2, 3, 2]

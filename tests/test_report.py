@@ -62,6 +62,37 @@ def three_rounds() -> list[dict[str, Any]]:
     return events
 
 
+def handed_off() -> list[dict[str, Any]]:
+    """The same run with the state hand-off: round 2 starts from step 47 that its nodes
+    kept in memory, round 3 from a peer's copy of the step round 2 stopped at for the join."""
+    events = [ev("start", 0, 0.0, resumed_from=None), ev("restore", 0, 0.0, source="none")]
+    events += [ev("step", s, 2.0 + (s - 1) * 0.1, loss=1.0 / s) for s in range(1, 48)]
+    events.append(ev("fault", 47, 6.7, why="a collective failed", kept=47))
+    events += [ev("start", 47, 7.0, world=2, resumed_from=47),
+               ev("restore", 47, 7.0, world=2, source="local", bytes=100, seconds=0.01)]
+    events += [ev("step", s, 8.0 + (s - 48) * 0.1, world=2, loss=1.0 / s) for s in range(48, 61)]
+    events.append(ev("stopped", 60, 9.5, world=2, reason="membership", kept=60))
+    events += [ev("start", 60, 10.0, resumed_from=60),
+               ev("restore", 60, 10.0, source="peer", bytes=100, seconds=0.02)]
+    events += [ev("step", s, 11.0 + (s - 61) * 0.1, loss=1.0 / s) for s in range(61, 81)]
+    events.append(ev("done", 80, 13.5, params_sha256="ab" * 32))
+    return events
+
+
+def test_a_run_with_state_handed_off_between_rounds() -> None:
+    summary = summarize(handed_off())
+    assert [(r.source, r.step) for r in summary.restores] == [
+        ("fresh", 0), ("local", 47), ("peer", 60)]
+    assert summary.restores[2].description == "state from a peer at step 60"
+    assert [s.end for s in summary.segments] == ["cut", "stopped", "done"]
+    assert [m.label for m in summary.faults] == ["round 1 cut at step 47"]
+    assert [m.label for m in summary.new_rounds] == ["new round at step 60"]
+    assert summary.preemptions == () and summary.steps_redone == 0
+    text = report.as_text(summary, Path("m.jsonl"))
+    assert "stopped at step 60 for a new round (membership)" in text
+    assert "new rounds at a step boundary: 1" in text
+
+
 def write(path: Path, events: list[dict[str, Any]], tail: str = "") -> Path:
     path.write_text("".join(json.dumps(e) + "\n" for e in events) + tail)
     return path

@@ -24,8 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch-size", type=int, default=32,
                    help="samples per step across all ranks, whatever the world size (default 32)")
     p.add_argument("--snapshot-dir", type=Path, default=None,
-                   help="where global rank 0 writes snapshots; all ranks read it "
-                        "(shared filesystem)")
+                   help="where global rank 0 writes snapshots; need not be shared: each "
+                        "node may have its own, the newest any node has is restored")
     p.add_argument("--snapshot-every", type=int, default=0,
                    help="commit a snapshot every K steps (0: only on preemption and at the end)")
     p.add_argument("--keep", type=int, default=3, help="snapshots to keep (default 3)")
