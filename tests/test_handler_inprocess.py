@@ -119,8 +119,7 @@ def make_lab(tmp_path: Path) -> Iterator[Callable[..., Lab]]:
         settings = settings_for("127.0.0.1:2379", "run1", nnodes, **conf)
         store = MemoryStore()
         clock = FakeClock()
-        control = AgentControl(tmp_path / f"control-{len(labs)}")
-        control.path.mkdir()
+        control = AgentControl(tmp_path / f"control-{len(labs)}")  # makes the directory
         events_file = tmp_path / f"events-{len(labs)}.jsonl"
         handler = EtcdExtRendezvousHandler(
             settings, MemoryBackend(store, transient=transient), backend_name="etcd-ext",

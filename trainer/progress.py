@@ -293,7 +293,8 @@ class Progress:
         self._snapshot_at = self._clock()
 
     def finish(self, event: str) -> None:
-        """The last line of this generation (``done``, ``preempted``, ``stopped``); closes the bar."""
+        """The last line of this generation (``done``, ``preempted``, ``stopped``); closes
+        the bar."""
         if not self.enabled:
             return
         now = self._clock()

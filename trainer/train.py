@@ -215,7 +215,6 @@ class Trainer:
                  main_at: float | None = None) -> None:
         self.settings = settings
         self.guard = guard
-        guard.keep_state = self._keep_last_step
         self.env = DistEnv.from_environ()
         self._times = {"launched_at": launched_at(), "main_at": main_at or time.time()}
         self.device = init_distributed(self.env, settings.collective_timeout)
@@ -248,6 +247,7 @@ class Trainer:
         self.last = LastStep(self.step, self.position)
         self._restored_age_s: float | None = None
         self._restore_event: dict[str, Any] = {}
+        guard.keep_state = self._keep_last_step  # last: it reads what is set above
 
     def _state(self, position: DataPosition | None = None) -> dict[str, Any]:
         s = self.settings
