@@ -151,11 +151,12 @@ def as_text(summary: RunSummary, metrics: Path, unreadable: Sequence[int] = ()) 
              else f"not finished: last step {summary.last_step}, no 'done' logged")
     lines = [f"{metrics}: {state}",
              f"rounds: {summary.rounds} (worker generations)"]
+    width = max(len(r.description) for r in summary.restores)
     for number, (seg, restore) in enumerate(zip(summary.segments, summary.restores,
                                                 strict=True), 1):
         when = f"t={seg.start_time - t0:.1f}s"
         lines.append(f"  round {number:<3} {when:<9} world {seg.world_size:<3} "
-                     f"{restore.description:<21} {_steps_text(seg):<13} "
+                     f"{restore.description:<{width}} {_steps_text(seg):<13} "
                      f"{_end_text(seg, number == summary.rounds)}")
     by_source = ", ".join(f"{name} {count}" for name, count in summary.restores_by_source().items())
     lines.append(f"restores by source: {by_source}")
