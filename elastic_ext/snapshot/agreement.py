@@ -60,12 +60,6 @@ class Plan:
     """Every rank holds this very copy: each loads its own, nothing is sent."""
     warnings: tuple[str, ...] = ()
 
-    def holds(self, holding: Holding) -> bool:
-        """Whether a rank with ``holding`` has the chosen copy itself."""
-        mine = holding.copy(self.kind) if self.kind is not None else None
-        return mine is not None and self.copy is not None and \
-            (mine.step, mine.sha256) == (self.copy.step, self.copy.sha256)
-
 
 _PREFERENCE = {Kind.MEMORY: 1, Kind.DISK: 0}  # at the same step, memory is faster
 

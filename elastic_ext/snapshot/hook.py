@@ -308,8 +308,7 @@ class Snapshotter:
                 logger.warning("%s", warning)
         if plan.step is None:
             return None
-        return self._receive(plan, plan.holds(mine), paths, objects, restore_rng_states,
-                             weights_only, started)
+        return self._receive(plan, paths, objects, restore_rng_states, weights_only, started)
 
     def _look(self) -> tuple[Holding, dict[Kind, Path]]:
         """This rank's newest copy in node memory and, on local rank 0, on disk."""
@@ -334,9 +333,8 @@ class Snapshotter:
                 paths[Kind.DISK] = self.directory / disk.payload
         return Holding(memory=Copy.of(memory), disk=Copy.of(disk), failed=failed), paths
 
-    def _receive(self, plan: Plan, held: bool, paths: dict[Kind, Path],
-                 objects: Mapping[str, Stateful], restore_rng_states: bool, weights_only: bool,
-                 started: float) -> Restored:
+    def _receive(self, plan: Plan, paths: dict[Kind, Path], objects: Mapping[str, Stateful],
+                 restore_rng_states: bool, weights_only: bool, started: float) -> Restored:
         assert plan.kind is not None and plan.copy is not None and plan.step is not None
         where = "node memory" if plan.kind is Kind.MEMORY else "its snapshot directory"
         origin = f"rank {plan.source}'s copy of step {plan.step} in {where}"
@@ -356,8 +354,7 @@ class Snapshotter:
         if plan.kind is Kind.DISK:
             source = Source.DISK
         else:
-            source = Source.LOCAL if held and (plan.everyone_holds or rank() == plan.source) \
-                else Source.PEER
+            source = Source.LOCAL if path is not None else Source.PEER
         state = self._apply(payload, origin, objects, restore_rng_states)
         logger.info("restored step %d from %s", plan.step, origin)
         return Restored(step=plan.step, path=path, state=state, created=plan.copy.created or None,
