@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,3 +42,19 @@ def etcd_cluster(processes: ProcessSet, tmp_path: Path):
     from elastic_ext.local.etcd import start_cluster
 
     return start_cluster(processes, tmp_path, size=3)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 640 KiB filesystem of its own (needs root, as in CI)."""
+    mount_point = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=640k", "tmpfs", str(mount_point)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); "
+                    "the /dev/full test covers ENOSPC")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)

@@ -250,3 +250,16 @@ def test_the_state_is_kept_once_and_a_second_caller_waits_for_the_first() -> Non
     first.join(5)
     second.join(5)
     assert second_done.is_set() and calls == ["watchdog"]
+
+
+def test_a_node_memory_too_small_for_the_state_keeps_nothing_and_says_so(
+        small_tmpfs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    copies = LocalCopies(small_tmpfs)
+    assert copies.write(1, {"w": torch.zeros(100, 100)}) is not None  # 40 KB fits
+    with caplog.at_level(logging.WARNING, logger="elastic_ext.snapshot"):
+        assert copies.write(2, {"w": torch.zeros(400, 400)}) is None  # 640 KB does not
+    assert f"could not keep the state of step 2 in {small_tmpfs}" in caplog.text
+    assert "No space left on device" in caplog.text
+    assert not [name for name in os.listdir(small_tmpfs) if name.endswith(".tmp")]
+    newest = copies.newest()
+    assert newest is not None and newest.step == 1  # the older step is still there

@@ -9,8 +9,6 @@ import random
 import socket
 import subprocess
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -222,22 +220,6 @@ def test_leftovers_of_dead_writers_are_removed(tmp_path: Path) -> None:
     mine.write_bytes(b"in progress")
     Snapshotter(tmp_path)
     assert not stale.exists() and mine.exists()
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 640 KiB filesystem of its own (needs root, as in CI)."""
-    mount_point = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
-    mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=640k", "tmpfs", str(mount_point)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); "
-                    "the /dev/full test covers ENOSPC")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 def test_disk_full_keeps_the_previous_snapshot(small_tmpfs: Path) -> None:
