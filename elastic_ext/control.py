@@ -146,6 +146,17 @@ def _round_file(kind: str) -> Path | None:
     return Path(path) / f"{kind}{round_}"
 
 
+def current_round() -> int:
+    """In a worker: the rendezvous round its agent is in (0 without an etcd-ext agent)."""
+    path = os.environ.get(CONTROL_DIR_ENV)
+    if not path:
+        return 0
+    try:
+        return int((Path(path) / _ROUND_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return 0
+
+
 def peer_lost() -> bool:
     """In a worker: whether its agent found a peer of this round dead or hung."""
     marker = _round_file(_PEER_LOST)

@@ -56,6 +56,18 @@ def test_holders_of_the_newest_step_that_disagree_are_not_used() -> None:
     assert "hold different states" in plan.warnings[0] and "rank 1: bbbb" in plan.warnings[0]
 
 
+def test_a_step_kept_in_a_later_round_supersedes_the_same_step_from_an_earlier_one() -> None:
+    """A node frozen in round 3 wakes holding step 7 (it completed an update the others had
+    not); the others trained step 7 again in round 4, without it."""
+    woke = Holding(memory=Copy(7, 100, SHA["a"], round=3))
+    went_on = Holding(memory=Copy(7, 100, SHA["b"], round=4))
+    plan = plan_restore([woke, went_on, went_on])
+    assert (plan.step, plan.source, plan.copy) == (7, 1, went_on.memory)
+    assert "ranks [0] hold step 7 from a round before 4" in plan.warnings[0]
+    tied = plan_restore([Holding(memory=Copy(7, 100, SHA["a"], round=4)), went_on])
+    assert tied.step is None  # the same round and different bytes: trust neither
+
+
 def test_differing_snapshots_of_one_step_take_the_lowest_ranks_with_a_warning() -> None:
     plan = plan_restore([Holding(disk=Copy(5, 1, SHA["c"])), Holding(disk=Copy(5, 1, SHA["d"]))])
     assert (plan.step, plan.source) == (5, 0) and "differ between ranks" in plan.warnings[0]
@@ -66,7 +78,7 @@ def test_nothing_held_anywhere_is_a_fresh_start() -> None:
 
 
 def test_a_report_survives_its_trip_through_the_all_gather_row() -> None:
-    holding = Holding(memory=Copy(12, 3 << 30, SHA["f"], 1796000000.25),
+    holding = Holding(memory=Copy(12, 3 << 30, SHA["f"], 1796000000.25, round=41),
                       disk=Copy(10, 7, SHA["e"], 0.0), failed=True)
     assert decode(encode(holding)) == holding
     assert decode(encode(Holding())) == Holding()
@@ -142,6 +154,19 @@ def test_without_an_agent_nothing_is_kept(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 
 # --------------------------------------------------------------------------- the agent's side
+def test_a_kept_copy_records_the_round_its_workers_trained_in(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    agent = AgentControl(tmp_path / "ctl")
+    monkeypatch.setenv(CONTROL_DIR_ENV, str(agent.path))
+    agent.publish_round(5)
+    copies = LocalCopies.of_this_node()
+    assert copies is not None and copies.directory == agent.path / "state"
+    kept = copies.write(9, _tree(9.0))
+    assert kept is not None and kept.round == 5
+    newest = copies.newest()
+    assert newest is not None and newest.round == 5
+
+
 def test_the_agent_gives_its_workers_a_state_directory_and_says_when_it_restarts_them(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     agent = AgentControl(tmp_path / "ctl")

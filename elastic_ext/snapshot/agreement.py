@@ -22,17 +22,19 @@ class Kind(enum.Enum):
 
 @dataclass(frozen=True)
 class Copy:
-    """One restorable copy: its step, payload size and sha256 (hex), and when it was written."""
+    """One restorable copy: its step, payload size and sha256 (hex), when it was written, and
+    (kept in memory) the round whose workers trained it."""
 
     step: int
     size: int
     sha256: str
     created: float = 0.0
+    round: int = 0
 
     @classmethod
     def of(cls, manifest: Manifest | None) -> Copy | None:
         return None if manifest is None else cls(manifest.step, manifest.size, manifest.sha256,
-                                                 manifest.created)
+                                                 manifest.created, manifest.round)
 
 
 @dataclass(frozen=True)
@@ -67,10 +69,13 @@ _PREFERENCE = {Kind.MEMORY: 1, Kind.DISK: 0}  # at the same step, memory is fast
 def plan_restore(holdings: Sequence[Holding]) -> Plan:
     """The newest step any rank holds, and the lowest rank holding it sends it.
 
-    Holders of the newest step in node memory must hold the same bytes; if they do not
-    (which would be a bug or a corrupt write), that step's memory copies are not used
-    and the next candidate is tried, with a warning. Disk snapshots of one step may
-    differ in their RNG states (a step redone after a restart); the lowest rank's wins.
+    Holders of the newest step in node memory must hold the same bytes. If they do not,
+    the copies trained in the newest round win when they agree: a node that was frozen
+    may wake holding the same step from the round the others left it behind in (it
+    completed an update they had not, and they went on without it). Otherwise that
+    step's memory copies are not used and the next candidate is tried, with a warning.
+    Disk snapshots of one step may differ in their RNG states (a step redone after a
+    restart); the lowest rank's wins.
     """
     warnings: list[str] = []
     excluded: set[tuple[Kind, int]] = set()
@@ -85,6 +90,15 @@ def plan_restore(holdings: Sequence[Holding]) -> Plan:
         holders = [(rank, copy) for rank, holding in enumerate(holdings)
                    if (copy := holding.copy(kind)) is not None and copy.step == step]
         digests = {copy.sha256 for _, copy in holders}
+        if len(digests) > 1 and kind is Kind.MEMORY:
+            newest = max(copy.round for _, copy in holders)
+            latest = [(rank, copy) for rank, copy in holders if copy.round == newest]
+            if len({copy.sha256 for _, copy in latest}) == 1:
+                stale = sorted(rank for rank, copy in holders if copy.round != newest)
+                warnings.append(f"ranks {stale} hold step {step} from a round before {newest}, "
+                                "which the others trained again; using round "
+                                f"{newest}'s")
+                holders, digests = latest, {latest[0][1].sha256}
         if len(digests) > 1:
             listing = ", ".join(f"rank {rank}: {copy.sha256[:12]}" for rank, copy in holders)
             if kind is Kind.MEMORY:

@@ -106,7 +106,7 @@ def durable_write(directory: Path, name: str, fill: Callable[[HashingWriter], ob
     return writer.hexdigest(), writer.size
 
 
-def write_snapshot(directory: Path, step: int, tree: Any, keep: int) -> Manifest:
+def write_snapshot(directory: Path, step: int, tree: Any, keep: int, round_: int = 0) -> Manifest:
     """Write the snapshot of ``step`` (payload, then its manifest) and keep the newest ``keep``.
 
     Redoing a step (after a restart) retires the old manifest once the new payload is
@@ -126,7 +126,7 @@ def write_snapshot(directory: Path, step: int, tree: Any, keep: int) -> Manifest
     sha, size = durable_write(directory, payload_name(step), lambda f: write_payload(f, payload),
                               before_replace=retire_old_manifest)
     manifest = Manifest(step=step, payload=payload_name(step), sha256=sha, size=size,
-                        created=time.time())
+                        created=time.time(), round=round_)
     text = manifest.to_json().encode()
     durable_write(directory, manifest_name(step), lambda f: f.write(text))
     try:

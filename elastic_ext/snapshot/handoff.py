@@ -19,22 +19,23 @@ from elastic_ext.snapshot.agreement import Copy, Holding
 from elastic_ext.snapshot.errors import SnapshotError
 
 _NONE = -1
-_COPY_FIELDS = 7  # step, size, created (ms), sha256 as four int64
+_COPY_FIELDS = 8  # step, size, created (ms), round, sha256 as four int64
 
 
 def _encode_copy(copy: Copy | None) -> list[int]:
     if copy is None:
         return [_NONE] * _COPY_FIELDS
     digest = bytes.fromhex(copy.sha256)
-    return [copy.step, copy.size, round(copy.created * 1000),
+    return [copy.step, copy.size, round(copy.created * 1000), copy.round,
             *(int.from_bytes(digest[i:i + 8], "big", signed=True) for i in range(0, 32, 8))]
 
 
 def _decode_copy(row: list[int]) -> Copy | None:
     if row[0] == _NONE:
         return None
-    digest = b"".join(v.to_bytes(8, "big", signed=True) for v in row[3:7])
-    return Copy(step=row[0], size=row[1], sha256=digest.hex(), created=row[2] / 1000)
+    digest = b"".join(v.to_bytes(8, "big", signed=True) for v in row[4:8])
+    return Copy(step=row[0], size=row[1], sha256=digest.hex(), created=row[2] / 1000,
+                round=row[3])
 
 
 def encode(holding: Holding) -> list[int]:

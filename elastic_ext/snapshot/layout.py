@@ -53,11 +53,16 @@ class Manifest:
     sha256: str
     size: int
     created: float
+    round: int = 0
+    """For a copy kept in node memory: the rendezvous round whose workers trained it (a
+    newer round's copy of a step supersedes an older one's); 0 on disk."""
 
     def to_json(self) -> str:
-        return json.dumps({"format": FORMAT_VERSION, "step": self.step, "payload": self.payload,
-                           "sha256": self.sha256, "bytes": self.size, "created": self.created},
-                          sort_keys=True)
+        fields = {"format": FORMAT_VERSION, "step": self.step, "payload": self.payload,
+                  "sha256": self.sha256, "bytes": self.size, "created": self.created}
+        if self.round:
+            fields["round"] = self.round
+        return json.dumps(fields, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, expected_step: int) -> Manifest:
@@ -73,7 +78,7 @@ class Manifest:
         try:
             manifest = cls(step=int(raw["step"]), payload=str(raw["payload"]),
                            sha256=str(raw["sha256"]), size=int(raw["bytes"]),
-                           created=float(raw["created"]))
+                           created=float(raw["created"]), round=int(raw.get("round", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"manifest lacks a valid field: {exc}") from None
         if manifest.step != expected_step or manifest.payload != payload_name(expected_step):

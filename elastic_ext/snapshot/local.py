@@ -58,7 +58,8 @@ class LocalCopies:
             with self._locked():
                 if (self.directory / manifest_name(step)).exists():
                     return None
-                return write_snapshot(self.directory, step, tree, KEPT_STEPS)
+                return write_snapshot(self.directory, step, tree, KEPT_STEPS,
+                                      round_=control.current_round())
         except (OSError, RuntimeError) as exc:
             logger.warning("could not keep the state of step %d in %s: %s", step,
                            self.directory, exc)
