@@ -4,6 +4,7 @@ import os
 import subprocess
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -44,17 +45,24 @@ def etcd_cluster(processes: ProcessSet, tmp_path: Path):
     return start_cluster(processes, tmp_path, size=3)
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 640 KiB filesystem of its own (needs root, as in CI)."""
+@contextmanager
+def mounted_tmpfs(tmp_path: Path, size: str) -> Iterator[Path]:
+    """A filesystem of ``size`` of its own under ``tmp_path`` (needs root, as in CI)."""
     mount_point = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
     mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=640k", "tmpfs", str(mount_point)],
-                            capture_output=True, text=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                             str(mount_point)], capture_output=True, text=True)
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); "
-                    "the /dev/full test covers ENOSPC")
+                    "tests/test_snapshot.py covers ENOSPC through /dev/full")
     try:
         yield mount_point
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 640 KiB filesystem of its own."""
+    with mounted_tmpfs(tmp_path, "640k") as mount_point:
+        yield mount_point

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +10,7 @@ import pytest
 from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.local.processes import ProcessSet
 from elastic_ext.snapshot.layout import manifest_name, payload_name
+from tests.conftest import mounted_tmpfs
 from tests.support.trainer_runs import env, finish, of, run_to_end, trainer_cmd
 
 ARGS = ("--steps", "30", "--global-batch-size", "8", "--dataset-size", "64", "--seed", "3")
@@ -60,17 +59,8 @@ def test_damaged_newest_snapshot_falls_back_and_another_model_is_refused(
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """120 KiB: room for two snapshots of the tiny model (~43 KB each), not for a third."""
-    mount_point = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
-    mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=120k", "tmpfs", str(mount_point)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); "
-                    "tests/test_snapshot.py covers ENOSPC through /dev/full")
-    try:
+    with mounted_tmpfs(tmp_path, "120k") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
 @pytest.mark.timeout(120)
