@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 
 from elastic_ext import control
 from elastic_ext.control import CONTROL_DIR_ENV, AgentControl, remove_abandoned
+from elastic_ext.local.processes import wait_until
 from elastic_ext.preemption import GuardSettings, PreemptionGuard
 from elastic_ext.snapshot import LocalCopies, Snapshotter, Source
 from elastic_ext.snapshot.agreement import Copy, Holding, Kind, plan_restore
@@ -236,15 +236,15 @@ def test_a_peer_fault_keeps_the_state_before_the_worker_holds(agent: AgentContro
     guard = PreemptionGuard(GuardSettings(hold_timeout_s=5),
                             keep_state=lambda why: calls.append((why, guard.phase.value)))
 
-    def agent_stops_it() -> None:
-        while not (agent.path / "fault-1").exists():
-            time.sleep(0.01)
+    def agent_stops_it() -> None:  # as the agent does once it reads the report
+        wait_until(lambda: (agent.path / "fault-1").exists() or None, timeout=5,
+                   what="the worker's fault report")
         guard._note(signal.SIGTERM)
 
-    stopper = threading.Thread(target=agent_stops_it)
+    stopper = threading.Thread(target=agent_stops_it, daemon=True)
     stopper.start()
     code = guard.failure_exit_code(RuntimeError("Connection reset by peer"))
-    stopper.join()
+    stopper.join(10)
     assert code == 128 + signal.SIGTERM
     assert calls == [("a collective failed", "committing")]  # the watchdog leaves it alone
 
