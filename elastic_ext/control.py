@@ -21,8 +21,11 @@ import logging
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
+from types import FrameType
 
 from elastic_ext.procinfo import pid_alive
 
@@ -34,6 +37,8 @@ _ROUND_FILE = "round"
 _PEER_LOST = "lost-"
 _SETUP_FAULT = "setup-"
 _LEAVING = "leaving-"
+_PROGRESS = "progress-"
+_PREEMPT = "preempt"
 _DIR_PREFIX = "elastic-ext-ctl-"
 _DIR_RE = re.compile(rf"^{_DIR_PREFIX}(\d+)-")
 _NODE_MEMORY = Path("/dev/shm")
@@ -96,9 +101,41 @@ class AgentControl:
 
     def publish_round(self, round_: int) -> None:
         for stale in [*self.path.glob("fault-*"), *self.path.glob(f"{_PEER_LOST}*"),
-                      *self.path.glob(f"{_SETUP_FAULT}*"), *self.path.glob(f"{_LEAVING}*")]:
+                      *self.path.glob(f"{_SETUP_FAULT}*"), *self.path.glob(f"{_LEAVING}*"),
+                      *self.path.glob(f"{_PROGRESS}*")]:
             stale.unlink(missing_ok=True)
         _atomic_write(self.path / _ROUND_FILE, str(round_))
+
+    def publish_preemption(self, why: str) -> None:
+        """Remember a preemption notice for this agent's life: the workers running now see
+        it at their next step boundary, workers started later at their first."""
+        _atomic_write(self.path / _PREEMPT, why[:100])
+
+    def catch_preemption(self, signum: int = signal.SIGUSR2) -> bool:
+        """In the agent: record ``signum`` (SLURM's advance notice) with
+        :meth:`publish_preemption` instead of dying of it or ignoring it, so a notice
+        that comes between rounds or while workers start reaches them. Leaves a handler
+        someone else installed alone; False when it did not install one."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        if signal.getsignal(signum) not in (signal.SIG_DFL, signal.SIG_IGN):
+            return False
+        name = signal.Signals(signum).name
+
+        def record(received: int, frame: FrameType | None) -> None:
+            try:
+                self.publish_preemption(f"{name} to the agent")
+            except OSError as exc:
+                logger.warning("could not record the %s preemption notice: %s", name, exc)
+            logger.warning("etcd-ext: %s received: the workers stop at their next step "
+                           "boundary (those starting: at their first)", name)
+
+        signal.signal(signum, record)
+        return True
+
+    def progress_reported(self, round_: int) -> bool:
+        """Whether a worker of ``round_`` completed a training step (``report_progress``)."""
+        return (self.path / f"{_PROGRESS}{round_}").exists()
 
     def publish_leaving(self, round_: int, reason: str) -> None:
         """Tell the workers of ``round_`` that the SIGTERM coming is this agent restarting
@@ -171,6 +208,36 @@ def leaving_reason() -> str | None:
         return None
     try:
         return marker.read_text() or "restart"
+    except OSError:
+        return None
+
+
+_progress_told: str | None = None  # the control file this process last wrote
+
+
+def report_progress() -> None:
+    """In a worker: a training step of this round completed. Written once per round; the
+    agent counts rounds that end before any step (``Limits.stalled_rounds``)."""
+    global _progress_told
+    marker = _round_file(_PROGRESS)
+    if marker is None or str(marker) == _progress_told:
+        return
+    try:
+        _atomic_write(marker, "")
+    except OSError as exc:
+        logger.warning("could not tell the agent about training progress: %s", exc)
+        return
+    _progress_told = str(marker)
+
+
+def preemption_requested() -> str | None:
+    """In a worker: the preemption notice its agent received, if any (a signal that came
+    between rounds, or while this worker started)."""
+    path = os.environ.get(CONTROL_DIR_ENV)
+    if not path:
+        return None
+    try:
+        return (Path(path) / _PREEMPT).read_text() or "preemption"
     except OSError:
         return None
 

@@ -22,7 +22,7 @@ from elastic_ext.rendezvous.errors import ConfigError
 from elastic_ext.rendezvous.factory import open_backend
 from elastic_ext.rendezvous.liveness import LEFT
 from elastic_ext.rendezvous.settings import Settings, parse_settings
-from elastic_ext.rendezvous.state import Phase, RunState
+from elastic_ext.rendezvous.state import Phase, RunState, stalled_rounds
 
 LIST_RUN_ID = "elastic-ext-list"
 """``list`` looks at the whole key prefix; the settings it opens the store with still name a run."""
@@ -87,6 +87,8 @@ def describe(state: RunState | None, beats: Mapping[str, bytes | None], now: flo
         "restarts_used": state.restarts, "restarts_left": left,
         "max_restarts": state.max_restarts, "last_event": state.note,
         "newest_snapshot_step": snapshot_step,
+        "rounds_without_progress": stalled_rounds(state),
+        "left_out": dict(state.excluded),
     }
 
 
@@ -109,6 +111,11 @@ def render(report: dict[str, Any], run_id: str, where: str) -> str:
              f"generation {report['generation']}",
              f"  restarts: {budget}",
              f"  last event: {report['last_event']}"]
+    if report.get("rounds_without_progress"):
+        lines.append(f"  rounds in a row that ended before a training step: "
+                     f"{report['rounds_without_progress']}")
+    for name, why in (report.get("left_out") or {}).items():
+        lines.append(f"  left out: {name}: {why}")
     if report["newest_snapshot_step"] is not None:
         lines.append(f"  newest snapshot: step {report['newest_snapshot_step']}")
     lines.append("  rank  node                              address                heartbeat")

@@ -190,7 +190,17 @@ class PreemptionGuard:
             self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
         self._thread = threading.Thread(target=self._watch, name="preemption-watchdog", daemon=True)
         self._thread.start()
+        self._take_agent_notice()
         return self
+
+    def _take_agent_notice(self) -> None:
+        """A preemption notice the agent got (between rounds, while this worker started, or
+        sent to the agent alone) counts as this worker's own signal."""
+        notice = control.preemption_requested()
+        if notice is not None and self.settings.preempt_signals:
+            logger.info("the agent received a preemption notice (%s): stopping at the next "
+                        "step boundary", notice)
+            self._note(self.settings.preempt_signals[0])
 
     def uninstall(self) -> None:
         """Restore the previous handlers and stop the watchdog."""
@@ -330,6 +340,8 @@ class PreemptionGuard:
         (a loss sum, a sample count) makes this the only collective the boundary needs.
         When the answer is stop, the watchdog stands down so the commit can finish.
         """
+        if self._signalled is None:
+            self._take_agent_notice()
         signalled = self._signalled
         flag = 1.0 if signalled is not None else 0.0
         restart = 1.0 if signalled is not None and signalled in self.settings.stop_signals \
@@ -349,6 +361,8 @@ class PreemptionGuard:
         stop = bool(flags[0].item() > 0)
         if stop:
             self._set_phase(Phase.COMMITTING)
+        else:
+            control.report_progress()
         return Agreement(stop=stop, values=summed,
                          restart=stop and bool(flags[1].item() == flags[0].item()))
 

@@ -88,6 +88,25 @@ def agent_gave_up() -> bool:
     return isinstance(sys.exc_info()[1], ChildFailedError)
 
 
+def workers_succeeded() -> bool:
+    """Whether torch's agent is shutting the handler down after its workers succeeded.
+
+    ``LAUNCH_AGENT`` keeps the agent's ``RunResult`` in its local ``result`` and calls
+    ``rdzv_handler.shutdown()`` in its ``finally``; the result is read from that frame.
+    False when there is no such frame (not under torchrun) or the workers failed.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "launch_agent" and frame.f_globals.get("__name__") == \
+                LAUNCH_AGENT.rsplit(".", 1)[0]:
+            result = frame.f_locals.get("result")
+            is_failed = getattr(result, "is_failed", None)
+            return callable(is_failed) and not is_failed()
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
 def matches_machine_hostname(host: str) -> bool:
     """Whether ``host`` names this machine (loopback, its host name, or one of its addresses)."""
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
@@ -109,9 +128,18 @@ def quiet_signal_exit() -> None:
         return
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    from elastic_ext.rendezvous.errors import JobFinishedError, NodeExcludedError
+
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if isinstance(exc, (JobFinishedError, NodeExcludedError)):
+            # The message says it all; a finished job is no failure of this node (exit 0),
+            # a node the others cannot reach is (exit 1).
+            sys.stderr.write(f"{exc}\n")
+            atexit._run_exitfuncs()
+            sys.stderr.flush()
+            os._exit(0 if isinstance(exc, JobFinishedError) else 1)
         if isinstance(exc, SignalException):
             sys.stderr.write(STOPPED_LINE.format(signal=signal.Signals(exc.sigval).name) + "\n")
             # Leave without interpreter teardown, after the exit handlers (logging's, the

@@ -27,6 +27,7 @@ import pytest
 
 from elastic_ext.chaos import matrix
 from elastic_ext.chaos.runner import RunOptions, RunResult, run_scenario
+from tests.support.chaos import explain
 
 FULL = os.environ.get("ELASTIC_EXT_CHAOS_FULL") == "1"
 
@@ -52,16 +53,6 @@ def _full_requested(config: pytest.Config) -> bool:
     """ELASTIC_EXT_CHAOS_FULL=1, or a ``-m`` expression that asks for chaos_full."""
     expression = str(config.getoption("markexpr", "") or "")
     return FULL or ("chaos_full" in expression and "not chaos_full" not in expression)
-
-
-def _explain(result: RunResult) -> str:
-    lines = [f"scenario {result.scenario.name}:"]
-    if result.verdict is not None:
-        lines += [f"  - {v}" for v in result.verdict.violations]
-    for name, log in result.logs.items():
-        text = log.read_text(errors="replace") if log.exists() else ""
-        lines.append(f"===== {name} ({log}) =====\n{text[-4000:]}")
-    return "\n".join(lines)
 
 
 def _worlds(result: RunResult) -> list[int]:
@@ -92,12 +83,12 @@ def test_scenario(name: str, tmp_path: Path, reference_cache: Path,
     if result.skipped:
         pytest.skip(result.skipped)
     verdict = result.verdict
-    assert verdict is not None and verdict.ok, _explain(result)
-    assert _worlds(result) == EXPECTED_WORLDS[name], _explain(result)
+    assert verdict is not None and verdict.ok, explain(result)
+    assert _worlds(result) == EXPECTED_WORLDS[name], explain(result)
     if name in NO_RESTART:
-        assert not verdict.restarts, _explain(result)
+        assert not verdict.restarts, explain(result)
     else:
-        assert verdict.restarts, _explain(result)
+        assert verdict.restarts, explain(result)
     if name in NOTHING_LOST:
         assert verdict.lost_steps == 0
     if len(EXPECTED_WORLDS[name]) == 1:

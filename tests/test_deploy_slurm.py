@@ -8,7 +8,14 @@ batch scripts are submitted as they are, with settings in the environment:
    preempted by an urgent job: USR2 -> snapshot -> requeue (same job id, same run id,
    external etcd) -> resume from that step -> ``done``;
 3. node 2's link is cut mid-run: the job (``--nnodes=1:2``) goes on with node 1 alone,
-   SLURM marks node 2 down, and the job still ends COMPLETED.
+   SLURM marks node 2 down, and the job still ends COMPLETED;
+4. a job killed without notice (every agent SIGKILLed) and requeued resumes under the same
+   run id from the last periodic snapshot;
+5. the requeue rule: a requeued job's agents start a new generation with a fresh restart
+   budget (``restarts`` 0), even when the killed old allocation had spent it.
+
+The wrapper's own checks (``--nnodes`` against the step) are in
+tests/test_deploy_slurm_scripts.py, which needs no lab.
 
 Needs root and network namespaces (skipped with the reason otherwise); installs slurm and
 munge with apt-get when they are missing.
@@ -27,7 +34,7 @@ from typing import Any
 import pytest
 
 from elastic_ext.jsonlines import read_json_lines
-from elastic_ext.local.processes import ProcessSet, signal_pids, wait_until
+from elastic_ext.local.processes import ProcessSet, environ_of, signal_pids, wait_until
 from tests.support.slurm_lab import LabUnavailable, SlurmLab, check_host, ensure_packages
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -89,6 +96,29 @@ def output(job_dir: Path, job_id: str) -> str:
 
 def metrics(job_dir: Path) -> list[dict[str, Any]]:
     return read_json_lines(job_dir / "snapshots" / "metrics.jsonl")
+
+
+def rdzv_conf(job_dir: Path, extra: str = "") -> str:
+    """ELASTIC_EXT_RDZV_CONF for a job whose agents append their rendezvous events (``joined``
+    carries the generation, ``restarts`` and ``max_restarts``) to one file in ``job_dir``."""
+    return f"events_file={job_dir / 'events.jsonl'}" + (f",{extra}" if extra else "")
+
+
+def joined(job_dir: Path) -> list[dict[str, Any]]:
+    """Every agent's ``joined`` events, oldest first."""
+    try:
+        evs = read_json_lines(job_dir / "events.jsonl")
+    except FileNotFoundError:
+        return []
+    return sorted((e for e in evs if e["event"] == "joined"), key=lambda e: e["time"])
+
+
+def by_generation(evs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """``joined`` events grouped by generation, the generations in the order they began."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for e in evs:
+        out.setdefault(e["generation"], []).append(e)
+    return out
 
 
 def key_events(evs: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
@@ -206,6 +236,8 @@ def test_two_node_job_trains_to_done_with_etcd_on_its_first_node(lab: SlurmLab,
                      "OMP_NUM_THREADS=2", out), why
     assert re.search(rf"\[torchrun-node node2 [\d:]+\] local address {re.escape(node2)}, "
                      "OMP_NUM_THREADS=2", out), why
+    # elastic.sbatch's --nnodes=MIN:MAX fits the step's agents, as the wrapper counts them
+    assert out.count(", --nnodes=1:2 for 2 agents (SLURM_STEP_NUM_TASKS)") == 2, why
     assert "trainer's last event: done" in out, why
     # the job's etcd ended with the job
     wait_until(lambda: not lab.processes_named("node1", "etcd"), 30, 0.2, "the job's etcd to exit")
@@ -217,7 +249,8 @@ def test_preempted_job_snapshots_requeues_itself_and_resumes(lab: SlurmLab, job_
                                                               external_etcd: str) -> None:
     started = time.monotonic()
     ctl = external_etcd
-    env = job_env(lab, job_dir, ELASTIC_EXT_ETCD_ENDPOINTS=f"{ctl}:2379")
+    env = job_env(lab, job_dir, ELASTIC_EXT_ETCD_ENDPOINTS=f"{ctl}:2379",
+                  ELASTIC_EXT_RDZV_CONF=rdzv_conf(job_dir))
     job_id = submit(lab, job_dir, "preemptible.sbatch", env, "--steps", "120",
                     "--snapshot-every", "50", sbatch_args=("--partition=batch",))
     wait_metric(lab, job_dir, job_id, lambda e: training_steps(e, 2, 10), 120, "2-node training")
@@ -254,6 +287,14 @@ def test_preempted_job_snapshots_requeues_itself_and_resumes(lab: SlurmLab, job_
     assert out.count(f"rendezvous: etcd-ext at {ctl}:2379, run id {job_id}") == 2, why
     assert re.search(rf"local address {re.escape(lab.addr('node1'))}, OMP_NUM_THREADS=\d+, "
                      rf"restart 1 of job {job_id}", out), why
+    # the requeue rule: the requeued job's agents are new and start a new generation with a
+    # fresh restart budget (here the preempted agents left cleanly and took the run's keys)
+    gens = by_generation(joined(job_dir))
+    assert len(gens) == 2, f"generations: { {g: len(e) for g, e in gens.items()} }" + why
+    old, new = gens.values()
+    assert not {e["node"] for e in old} & {e["node"] for e in new}, why
+    assert [(e["restarts"], e["max_restarts"]) for e in new] == [(0, 3)] * len(new), new
+    assert len({e["node"] for e in new}) == 2, new
     print(f"preemption cycle: preempted at step {at}; {time.monotonic() - started:.1f}s")
 
 
@@ -332,3 +373,96 @@ def test_a_job_killed_without_notice_resumes_under_the_same_run_id(lab: SlurmLab
     assert out.count(f"rendezvous: etcd-ext at {ctl}:2379, run id {job_id}") == 2, why
     assert run_keys(lab, ctl, job_id) == 0, "the finished job left its keys" + why
     print(f"killed at step {killed_at}, resumed from {resumed}; {time.monotonic() - started:.1f}s")
+
+
+def crash_workers(lab: SlurmLab, node: str) -> list[int]:
+    """SIGKILL the training workers on ``node`` (torchrun gave them a RANK), not its agent: a
+    worker failure, which the job-wide restart budget pays for."""
+    pids = [pid for pid, comm in lab.host_processes(node).items()
+            if comm != "pt_elastic" and "RANK" in environ_of(pid)]
+    assert pids, f"no worker on {node}: {lab.host_processes(node)}"
+    signal_pids(pids, signal.SIGKILL)
+    return pids
+
+
+def wait_joined(lab: SlurmLab, job_dir: Path, job_id: str, predicate: Any, count: int,
+                timeout: float, what: str) -> list[dict[str, Any]]:
+    """The ``joined`` events matching ``predicate`` once there are ``count`` of them."""
+    found: list[dict[str, Any]] = []
+
+    def check() -> bool:
+        found[:] = [e for e in joined(job_dir) if predicate(e)]
+        if len(found) >= count:
+            return True
+        if lab.job(job_id).get("JobState") in ENDED:
+            raise AssertionError(f"job ended before {what}: {found}"
+                                 + explain(lab, job_dir, job_id))
+        return False
+    try:
+        wait_until(check, timeout, 0.2, what)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}: {found}" + explain(lab, job_dir, job_id)) from None
+    return found
+
+
+
+
+@pytest.mark.timeout(360)
+def test_a_requeued_job_starts_a_fresh_restart_budget(lab: SlurmLab, job_dir: Path,
+                                                      external_etcd: str) -> None:
+    """The old allocation spends its whole budget (--max-restarts=1) on a worker failure and
+    is then killed without notice, its state left in etcd; the requeued job (the same job id,
+    so the same run id) starts a new generation with restarts 0, and one more worker failure
+    after the requeue is paid from that fresh budget: the job ends COMPLETED. Had the old
+    count gone on, that failure would be the second against --max-restarts=1 and every
+    agent would stop with "restart budget spent"."""
+    started = time.monotonic()
+    ctl = external_etcd
+    # heartbeat_timeout=10: the requeued agents surely all start within it of each other, as
+    # on a real cluster, where Python imports alone take seconds
+    env = job_env(lab, job_dir, ELASTIC_EXT_ETCD_ENDPOINTS=f"{ctl}:2379",
+                  ELASTIC_EXT_MAX_RESTARTS="1",
+                  ELASTIC_EXT_RDZV_CONF=rdzv_conf(job_dir, "heartbeat_timeout=10"))
+    job_id = submit(lab, job_dir, "elastic.sbatch", env, "--steps", "200", "--snapshot-every", "10",
+                    sbatch_args=("--requeue", "--open-mode=append"))
+    wait_metric(lab, job_dir, job_id, lambda e: training_steps(e, 2, 8), 120, "2-node training")
+    crash_workers(lab, "node2")
+    spent = wait_joined(lab, job_dir, job_id, lambda e: e["restarts"] == 1, 2, 90,
+                        "both agents in a round charged for the failure")
+    why = explain(lab, job_dir, job_id)
+    assert [(e["world_size"], e["max_restarts"]) for e in spent] == [(2, 1), (2, 1)], spent
+    old_generation = spent[0]["generation"]
+    old_nodes = {e["node"] for e in joined(job_dir)}
+    wait_metric(lab, job_dir, job_id, lambda e: e["event"] == "step" and e["world_size"] == 2
+                and e["time"] > spent[-1]["time"], 60, "training after the charged restart")
+
+    doomed = [pid for node in lab.nodes for pid, comm in lab.host_processes(node).items()
+              if comm == "pt_elastic" or comm.startswith("python")]
+    signal_pids(doomed, signal.SIGKILL)
+    first = wait_end(lab, job_dir, job_id, 60)
+    assert first["JobState"] == "FAILED", explain(lab, job_dir, job_id)
+    assert run_keys(lab, ctl, job_id) > 0, "the killed agents left no state behind" + why
+
+    lab.client("scontrol", "requeue", job_id)
+    fresh = wait_joined(lab, job_dir, job_id, lambda e: e["node"] not in old_nodes, 2, 150,
+                        "the requeued job's agents to join a round")
+    why = explain(lab, job_dir, job_id)
+    assert {e["generation"] for e in fresh} != {old_generation}, \
+        f"the requeued job went on with the old generation: {fresh}" + why
+    assert [(e["restarts"], e["max_restarts"]) for e in fresh[:2]] == [(0, 1), (0, 1)], fresh
+    new_generation = fresh[0]["generation"]
+
+    wait_metric(lab, job_dir, job_id, lambda e: e["event"] == "step" and e["world_size"] == 2
+                and e["time"] > fresh[1]["time"], 90, "2-node training after the requeue")
+    crash_workers(lab, "node2")
+    job = lab.wait_job(job_id, lambda j: j.get("Restarts") == "1" and j.get("JobState") in ENDED,
+                       150, f"requeued job {job_id} to end")
+    why = explain(lab, job_dir, job_id)
+    assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), why
+    after = [e for e in joined(job_dir) if e["generation"] == new_generation]
+    assert max(e["restarts"] for e in after) == 1, after
+    events = read_json_lines(job_dir / "events.jsonl")
+    assert not [e for e in events if e["event"] == "budget_spent"], why
+    assert [(e["step"], e["world_size"]) for e in metrics(job_dir)
+            if e["event"] == "done"] == [(200, 2)], why
+    print(f"requeue after a spent budget: a fresh one; {time.monotonic() - started:.1f}s")

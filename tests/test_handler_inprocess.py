@@ -23,10 +23,17 @@ from elastic_ext.control import (
     AgentControl,
     peer_lost,
     report_peer_failure,
+    report_progress,
     report_setup_failure,
 )
 from elastic_ext.jsonlines import read_json_lines
-from elastic_ext.rendezvous.errors import RestartBudgetExhaustedError, StoreUnavailableError
+from elastic_ext.rendezvous import handler as handler_module
+from elastic_ext.rendezvous.errors import (
+    JobFinishedError,
+    NodeExcludedError,
+    RestartBudgetExhaustedError,
+    StoreUnavailableError,
+)
 from elastic_ext.rendezvous.handler import EtcdExtRendezvousHandler
 from elastic_ext.rendezvous.keeper import Keeper
 from elastic_ext.rendezvous.presence import PresenceListener
@@ -480,3 +487,77 @@ def test_a_closed_run_refuses_new_rounds(make_lab) -> None:
     assert lab.handler.is_closed()
     with pytest.raises(RendezvousClosedError, match="run1 was closed"):
         lab.handler.next_rendezvous()
+
+
+
+# -- a job that finished while this node was away ------------------------------------------
+def test_a_node_that_wakes_after_the_run_was_removed_exits_at_once(make_lab) -> None:
+    lab = make_lab(nnodes=(2, 2))
+    join_with_peer(lab)
+    lab.advance(1.0, beating=("peer",))
+    # frozen meanwhile: the peer finished, left and, last out, removed the run's keys
+    lab.peer.leave("peer")
+    lab.peer.remove_run()
+    lab.advance(0.5)
+    assert lab.handler.num_nodes_waiting() == 1
+    assert "the job finished" in lab.keeper.pressure.why
+    started = lab.clock.now
+    with pytest.raises(JobFinishedError, match="finished while this node was away"):
+        lab.handler.next_rendezvous()
+    assert lab.clock.now == started  # no join_timeout wait
+    assert lab.events("finished_away")
+
+
+def test_a_finish_marks_the_run_and_a_node_waking_in_it_exits_at_once(
+        make_lab, monkeypatch: pytest.MonkeyPatch) -> None:
+    lab = make_lab(nnodes=(1, 2))
+    join_with_peer(lab)
+    monkeypatch.setattr(handler_module, "workers_succeeded", lambda: True)
+    assert lab.handler.shutdown()  # our workers completed: the run is finished
+    state = lab.state()  # kept: the peer has not left yet
+    assert state.status is Status.FINISHED and "round 1 completed" in state.note
+    # the peer's agent, frozen through the end, wakes: told at its next poll, then at once
+    peer = make_lab(nnodes=(1, 2))
+    peer.put_state(dataclasses.replace(state, status=Status.ACTIVE))
+    peer.peer.beat("peer")
+    peer.handler.next_rendezvous()
+    peer.put_state(dataclasses.replace(peer.state(), status=Status.FINISHED))
+    peer.advance(0.5)
+    assert peer.handler.num_nodes_waiting() == 1
+    with pytest.raises(JobFinishedError, match="finished while this node was away"):
+        peer.handler.next_rendezvous()
+
+
+def test_an_agent_whose_workers_failed_does_not_mark_the_run_finished(make_lab) -> None:
+    lab = make_lab(nnodes=(1, 2))
+    join_with_peer(lab)
+    assert lab.handler.shutdown()  # not under torchrun's launch_agent: no success to see
+    assert lab.state().status is Status.ACTIVE
+
+
+# -- progress and nodes that cannot be reached -----------------------------------------------
+def test_the_first_training_step_of_a_round_is_recorded_in_the_run(
+        make_lab, monkeypatch: pytest.MonkeyPatch) -> None:
+    lab = make_lab(nnodes=(1, 2))
+    join_with_peer(lab)
+    assert lab.state().progress_round == 0
+    lab.advance(1.0, beating=("peer",))
+    assert lab.state().progress_round == 0 and not lab.keeper.round_progressed()
+    monkeypatch.setenv(CONTROL_DIR_ENV, str(lab.control.path))
+    report_progress()
+    lab.advance(0.5, beating=("peer",))
+    assert lab.state().progress_round == 1 and lab.keeper.round_progressed()
+    assert lab.handler.num_nodes_waiting() == 0  # recording it is no reason to restart
+
+
+def test_a_node_left_out_by_the_others_stops_with_the_reason(make_lab) -> None:
+    lab = make_lab(nnodes=(1, 3))
+    state = dataclasses.replace(closed_round(("a", "b", ME)), phase=Phase.CLOSED,
+                                excluded={ME: "not reachable from a, b, though the store was"})
+    lab.peer.beat("a")
+    lab.peer.beat("b")
+    lab.put_state(state)
+    with pytest.raises(NodeExcludedError, match="left out of the job: not reachable from a, b"
+                                                ".*check the network between the nodes"):
+        lab.handler.next_rendezvous()
+    assert lab.events("excluded")

@@ -288,3 +288,50 @@ def test_a_node_memory_too_small_for_the_state_keeps_nothing_and_says_so(
     assert not [name for name in os.listdir(small_tmpfs) if name.endswith(".tmp")]
     newest = copies.newest()
     assert newest is not None and newest.step == 1  # the older step is still there
+
+
+# ------------------------------------------------------------------ preemption notices
+def test_a_notice_the_agent_recorded_stops_running_and_later_workers(
+        agent: AgentControl) -> None:
+    previous = signal.getsignal(signal.SIGUSR2)
+    try:
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # as torchrun-node.sh leaves it
+        assert agent.catch_preemption()
+        running = PreemptionGuard()
+        assert not running.agree().stop
+        os.kill(os.getpid(), signal.SIGUSR2)  # to the agent's process (this one, here)
+        assert control.preemption_requested() == "SIGUSR2 to the agent"
+        agreed = running.agree()
+        assert agreed.stop and not agreed.restart and running.signalled == signal.SIGUSR2
+        later = PreemptionGuard().install()  # a worker that starts after the notice
+        try:
+            assert later.signalled == signal.SIGUSR2 and later.preempted_exit_code() == 0
+        finally:
+            later.uninstall()
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def test_the_agent_leaves_someone_elses_sigusr2_handler_alone(agent: AgentControl) -> None:
+    previous = signal.getsignal(signal.SIGUSR2)
+
+    def theirs(signum: int, frame: object) -> None: ...
+    try:
+        signal.signal(signal.SIGUSR2, theirs)
+        assert not agent.catch_preemption()
+        assert signal.getsignal(signal.SIGUSR2) is theirs
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def test_a_worker_reports_the_first_step_of_each_round_once(agent: AgentControl) -> None:
+    assert not agent.progress_reported(1)
+    guard = PreemptionGuard()
+    guard.agree()
+    assert agent.progress_reported(1)
+    (agent.path / "progress-1").unlink()
+    guard.agree()  # once per round: not written again
+    assert not agent.progress_reported(1)
+    agent.publish_round(2)
+    guard.agree()
+    assert agent.progress_reported(2)

@@ -8,6 +8,7 @@ import io
 import json
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,17 @@ def test_status_watch_redraws_in_place_on_a_terminal_and_survives_an_outage(etcd
     assert len(frames) == 12 and "round 1 (closed), status active" in frames[0]
     assert "the store did not answer" in frames[-1]
     assert "round 1 closed with 1 nodes (start)" in frames[-1]  # still listed while it is down
+
+
+def test_status_shows_rounds_without_progress_and_nodes_left_out() -> None:
+    state = RunState(generation="g", round=5, phase=Phase.CLOSED,
+                     members={"a": NodeInfo("h", 1), "b": NodeInfo("h", 2)}, order=("a", "b"),
+                     progress_round=2, excluded={"c": "not reachable from a, b, though the "
+                                                      "store was"})
+    report = ops.describe(state, {}, now=0.0, snapshot_step=None)
+    assert report["rounds_without_progress"] == 2  # rounds 3 and 4 ended before a step
+    text = ops.render(report, "r", "etcd://x")
+    assert "rounds in a row that ended before a training step: 2" in text
+    assert "left out: c: not reachable from a, b" in text
+    trained = ops.describe(replace(state, progress_round=5), {}, now=0.0, snapshot_step=None)
+    assert "rounds in a row" not in ops.render(trained, "r", "etcd://x")

@@ -8,6 +8,8 @@ from elastic_ext.rendezvous.errors import CorruptStateError
 from elastic_ext.rendezvous.state import (
     BudgetSpent,
     Closed,
+    Excluded,
+    Finished,
     Joined,
     Limits,
     NodeInfo,
@@ -20,15 +22,18 @@ from elastic_ext.rendezvous.state import (
     Write,
     decide,
     restart_pressure,
+    stalled_rounds,
+    unreachable_by_most,
 )
 
 LIMITS = Limits(min_nodes=2, max_nodes=3, last_call=1.0, max_restarts=1)
 
 
-def view(me, *, dead=(), completed=None, min_reached_for=None, reason=Reason.FAILURE):
+def view(me, *, dead=(), completed=None, min_reached_for=None, reason=Reason.FAILURE,
+         unreachable=()):
     return View(me=me, my_info=NodeInfo("127.0.0.1", 1000 + ord(me[-1])), dead=frozenset(dead),
                 completed=completed, min_reached_for=min_reached_for, reenter_reason=reason,
-                fresh_generation=f"gen-{me}")
+                fresh_generation=f"gen-{me}", unreachable=frozenset(unreachable))
 
 
 def run(state, v, limits=LIMITS, max_steps=10):
@@ -229,3 +234,105 @@ def test_a_lone_node_of_a_one_node_minimum_joins_the_round_it_closed():
     s, d = run(None, view("a"), limits)
     s, d = run(s, view("a", min_reached_for=1.0), limits)
     assert s.phase is Phase.CLOSED and isinstance(d, Joined) and s.generation == "gen-a"
+
+
+# -- a job that finished ------------------------------------------------------------------
+def test_a_member_of_a_finished_job_is_told_so_and_a_new_job_starts_over():
+    s = replace(closed_round(), status=Status.FINISHED, note="finished: ...")
+    gen = s.generation
+    assert isinstance(decide(s, view("c", completed=(gen, 1)), LIMITS), Finished)
+    waiting = replace(s, waiting={"d": NodeInfo("127.0.0.1", 9)})
+    assert isinstance(decide(waiting, view("d"), LIMITS), Finished)  # it never got to join
+    d = decide(s, view("x"), LIMITS)  # a new job under the same run id
+    assert isinstance(d, Write) and d.state.generation == "gen-x" and d.state.round == 2
+    assert d.state.status is Status.ACTIVE and d.state.restarts == 0
+
+
+# -- rounds that make no progress ------------------------------------------------------------
+def reopened(s, limits, by="a", reason=Reason.MEMBERSHIP):
+    """``s`` (closed) ended; every member rejoins at once, the round closes again."""
+    gen, round_ = s.generation, s.round
+    for n in s.order:
+        s, _ = run(s, view(n, completed=(gen, round_), reason=reason), limits)
+    return s
+
+
+def test_free_restarts_without_a_training_step_are_charged_after_the_stall_count():
+    limits = replace(LIMITS, stalled_rounds=2)
+    s = replace(closed_round(), max_restarts=5)
+    assert s.progress_round == 0 and stalled_rounds(s) == 0
+    notes = []
+    for _ in range(4):
+        s = reopened(s, limits)
+        assert s.phase is Phase.CLOSED, s
+        notes.append((s.round, s.restarts, s.note))
+    # rounds 1, 2 and 3 ended before a step: closing round 4 (3 stalled > 2) is charged
+    assert [r for _, r, _ in notes] == [0, 0, 1, 2], notes
+    assert "3 rounds in a row ended before a training step" in notes[2][2]
+    # a round that trained resets the count
+    s = reopened(replace(s, progress_round=s.round), limits)
+    assert s.restarts == 2 and "membership changed" in s.note
+
+
+def test_a_stall_that_spends_the_budget_says_so_and_names_unreachable_reports():
+    limits = replace(LIMITS, stalled_rounds=1)
+    s = replace(closed_round(), max_restarts=0, progress_round=1)  # round 1 trained
+    gen = s.generation
+    for round_ in (1, 2, 3):
+        s, _ = run(s, view("a", completed=(gen, round_), reason=Reason.MEMBERSHIP,
+                           unreachable=("b",)), limits)
+        s, _ = run(s, view("b", completed=(gen, round_), unreachable=("a",)), limits)
+        s, d = run(s, view("c", completed=(gen, round_)), limits)
+        if round_ < 3:  # rounds 2 and 3 close free: 0, then 1 round in a row without a step
+            assert s.status is Status.ACTIVE and s.restarts == 0, s.note
+    # rounds 2 and 3 ended before a step: closing round 4 is the 2nd in a row, over 1
+    assert s.status is Status.BUDGET_SPENT and isinstance(decide(s, view("a"), limits),
+                                                          BudgetSpent)
+    assert "2 rounds in a row ended before a training step (more than 1" in s.note
+    assert "a could not reach b" in s.note and "b could not reach a" in s.note
+
+
+# -- a node its peers cannot reach ------------------------------------------------------------
+def test_a_node_most_others_cannot_reach_is_left_out_with_the_reason():
+    s = closed_round()
+    gen = s.generation
+    s, _ = run(s, view("a", completed=(gen, 1), unreachable=("c",)))
+    s, d = run(s, view("b", completed=(gen, 0), unreachable=("c",)))
+    # c (its workers still hang) has not rejoined: it is left out, the round closes without it
+    assert "c" in s.excluded and "not reachable from a, b" in s.excluded["c"]
+    assert s.phase is Phase.CLOSED and s.order == ("a", "b") and isinstance(d, Joined)
+    assert s.restarts == 0 and "membership changed" in s.note  # leaving it out is free
+    assert isinstance(decide(s, view("c", completed=(gen, 1)), LIMITS), Excluded)
+
+
+def test_reports_of_the_cut_off_node_and_of_two_nodes_alone_exclude_nobody():
+    base = RunState(generation="g", round=2, phase=Phase.OPEN,
+                    members={n: NodeInfo("h", 1) for n in "abc"}, previous=("a", "b", "c"))
+    # c cannot reach anyone: its own reports do not count against a and b
+    assert unreachable_by_most(replace(base, unreachable={"c": ("a", "b"), "a": ("c",),
+                                                          "b": ("c",)})) == {"c": ["a", "b"]}
+    # one report is not a majority of a's two peers
+    assert unreachable_by_most(replace(base, unreachable={"c": ("a",)})) == {}
+    two = replace(base, members={n: NodeInfo("h", 1) for n in "ab"}, previous=("a", "b"),
+                  unreachable={"a": ("b",), "b": ("a",)})
+    assert unreachable_by_most(two) == {}  # nobody can tell which side is cut off
+
+
+def test_new_fields_round_trip_and_states_without_them_still_parse():
+    s = replace(closed_round(), progress_round=1, unreachable={"a": ("b",)},
+                excluded={"c": "not reachable from a, b"})
+    assert RunState.from_bytes(s.to_bytes()) == s
+    import json
+    doc = json.loads(s.to_bytes())
+    for key in ("progress_round", "unreachable", "excluded"):
+        del doc[key]
+    old = RunState.from_bytes(json.dumps(doc).encode())
+    assert (old.progress_round, dict(old.unreachable), dict(old.excluded)) == (0, {}, {})
+
+
+def test_a_dead_node_nobody_can_reach_is_not_left_out_it_may_come_back():
+    s = closed_round()
+    gen = s.generation
+    s, _ = run(s, view("a", completed=(gen, 1), unreachable=("c",), dead=("c",)))
+    s, d = run(s, view("b", completed=(gen, 0), unreachable=("c",), dead=("c",)))
+    assert not s.excluded and s.phase is Phase.CLOSED and s.order == ("a", "b")

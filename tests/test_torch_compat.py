@@ -75,3 +75,38 @@ def test_torchrun_still_stops_on_a_signal_by_raising_signal_exception() -> None:
     assert re.search(r"except SignalException:[^\n]*\n(?:[^\n]*\n){0,8}?\s*raise\n", source), (
         f"{torch_compat.LAUNCH_AGENT} no longer lets SignalException out of torchrun: "
         "quiet_signal_exit() would never see it")
+
+
+def test_launch_agent_keeps_the_run_result_in_result_until_its_finally() -> None:
+    source = inspect.getsource(_resolve(torch_compat.LAUNCH_AGENT))
+    assignment = source.find("result = agent.run()")
+    finally_ = source.find("finally:")
+    shutdown = source.find("rdzv_handler.shutdown()", finally_)
+    assert -1 < assignment < finally_ < shutdown, (
+        f"{torch_compat.LAUNCH_AGENT} no longer keeps agent.run()'s result in `result` before "
+        "calling rdzv_handler.shutdown() in its finally: workers_succeeded() cannot see it")
+
+
+class _Result:
+    def __init__(self, failed: bool) -> None:
+        self.failed = failed
+
+    def is_failed(self) -> bool:
+        return self.failed
+
+
+def _shutdown_inside_a_launch_agent(result: object) -> bool:
+    """``workers_succeeded()`` called as torch's ``launch_agent`` calls the shutdown."""
+    seen: list[bool] = []
+    namespace: dict[str, Any] = {"__name__": torch_compat.LAUNCH_AGENT.rsplit(".", 1)[0]}
+    exec("def launch_agent(result, probe):\n"
+         "    try:\n        return None\n    finally:\n        probe()\n", namespace)
+    namespace["launch_agent"](result, lambda: seen.append(torch_compat.workers_succeeded()))
+    return seen[0]
+
+
+def test_workers_succeeded_reads_the_result_of_launch_agent_and_nothing_else() -> None:
+    assert not torch_compat.workers_succeeded()  # no launch_agent frame: not under torchrun
+    assert _shutdown_inside_a_launch_agent(_Result(failed=False))
+    assert not _shutdown_inside_a_launch_agent(_Result(failed=True))
+    assert not _shutdown_inside_a_launch_agent(None)  # agent.run() raised before returning

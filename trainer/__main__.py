@@ -5,10 +5,15 @@ the node's warm-start server, which forks the real worker with torch already
 imported (see ``elastic_ext.warm``); otherwise, and in that forked worker, it trains.
 """
 
+import signal
 import sys
 
-from elastic_ext.warm.launcher import hand_off
-from elastic_ext.warm.target import Target
+# SLURM's advance notice must not kill a worker before its guard takes the signal over
+# (its etcd-ext agent records the notice for it: elastic_ext.control.catch_preemption).
+signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+from elastic_ext.warm.launcher import hand_off  # noqa: E402
+from elastic_ext.warm.target import Target  # noqa: E402
 
 hand_off(Target.module("trainer"), sys.argv[1:])
 

@@ -54,6 +54,7 @@ class Injector:
         self.snapshot_dir = snapshot_dir
         self.lab = lab
         self.killed: set[str] = set()     # nodes SIGKILLed whole: their exit status says nothing
+        self.cut_off: set[str] = set()    # nodes cut off their peers: the job may leave them out
         self.impaired: set[str] = set()   # frozen or cut off right now
 
     # -- targets ---------------------------------------------------------------------------
@@ -127,32 +128,51 @@ class Injector:
         return detail, Undo(time.time() + action.duration, f"thaw {node.name}", "thaw", thaw)
 
     def _partition(self, action: Action) -> tuple[str, Undo | None]:
+        return self._cut_network(action, peers_only=False)
+
+    def _cut_peers(self, action: Action) -> tuple[str, Undo | None]:
+        return self._cut_network(action, peers_only=True)
+
+    def _cut_network(self, action: Action, *, peers_only: bool) -> tuple[str, Undo | None]:
+        """Take a node's link down (a partition), or only its way to the other nodes."""
         if self.lab is None:
-            raise InjectionError("partition needs the nodes in network namespaces")
+            raise InjectionError(f"{action.describe()} needs the nodes in network namespaces")
         lab = self.lab
         node = self.nodes(action.target)[0]
         index = self.job.nodes.index(node)
         detail = f"{self._describe([node])} at {node.host.address}"
-        lab.cut(index)
+        if peers_only:
+            lab.cut_peers(index)
+            self.cut_off.add(node.name)
+            detail += ", store still reachable"
+        else:
+            lab.cut(index)
         self.impaired.add(node.name)
 
         def heal() -> str:
-            lab.heal(index)
+            (lab.heal_peers if peers_only else lab.heal)(index)
             self.impaired.discard(node.name)
             return node.name
         assert action.duration is not None
         return detail, Undo(time.time() + action.duration, f"heal {node.name}", "heal", heal)
 
     def _preempt(self, action: Action) -> tuple[str, Undo | None]:
-        signalled = []
+        """SIGUSR2 as SLURM's ``--signal=USR2@N`` sends it: to every process of the job
+        steps, the etcd-ext agents included (``preempt agents``: to the agents alone)."""
+        workers, agents = [], []
         for node in self.nodes("all"):
-            for pid in node.worker_pids():
+            if action.target != "agents":
+                for pid in node.worker_pids():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGUSR2)
+                        workers.append(pid)
+            if node.events_file is not None:  # stock torchrun has no handler: it would die
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGUSR2)
-                    signalled.append(pid)
-        if not signalled:
-            raise InjectionError("no worker to preempt")
-        return f"SIGUSR2 to {len(signalled)} worker(s)", None
+                    os.kill(node.proc.pid, signal.SIGUSR2)
+                    agents.append(node.proc.pid)
+        if not workers and not agents:
+            raise InjectionError("no worker or agent to preempt")
+        return f"SIGUSR2 to {len(workers)} worker(s) and {len(agents)} agent(s)", None
 
     def _start_node(self, action: Action) -> tuple[str, Undo | None]:
         started = [self.job.add_node().name for _ in range(action.count)]

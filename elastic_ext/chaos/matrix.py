@@ -1,10 +1,8 @@
 """The built-in scenarios: the project's chaos matrix, runnable by name.
 
 Scenarios whose world size never changes run on 2 nodes: there the final parameters
-must be bit-identical to an uninterrupted run's. (At 3 ranks a resumed run is not
-bit-exact today: DDP's first iteration after a restart reduces its gradients in the
-initial bucket layout, which adds 3 ranks' values in another order than the rebuilt
-layout the uninterrupted run uses by then; ``--set nodes=3`` shows it.)
+must be bit-identical to an uninterrupted run's (at 3 or more ranks too since the
+trainer settles DDP's buckets before its first step: ``--set nodes=3``).
 
 ``elastic-ext chaos NAME`` runs one, ``ci`` the fast subset the project's CI runs,
 ``full`` all of them. Each is also a template: ``elastic-ext chaos --show NAME``

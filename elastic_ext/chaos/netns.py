@@ -12,7 +12,9 @@ the machine; the addresses exist only inside namespaces this module creates; the
 namespaces have no default route; and the harness itself reaches etcd only from a
 thread that has joined the switch namespace (:func:`call_in`), never from the root
 namespace. A partition takes a node's ``eth0`` down (this kernel has no ``tc netem``;
-a link down needs nothing but iproute2).
+a link down needs nothing but iproute2); cutting a node off its peers only adds
+blackhole routes for the other nodes' addresses inside its namespace, so its packets
+to them, its answers included, are dropped while the store stays reachable.
 
 Every command needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN); :func:`unavailable` says
 why when this machine cannot do it, so the caller can skip with that reason.
@@ -46,6 +48,8 @@ NETWORK = "10.201"  # 10.201.X.0/24, one X per lab; the SLURM lab in shared/note
 PREFIX = "eec"
 STATE_DIR = Path("/run/elastic-ext-chaos")
 _CLONE_NEWNET = 0x40000000
+# .8 to .255 of a lab's /24: every node address, never the switch's .1 (the store)
+_PEER_BLOCKS = ("8/29", "16/28", "32/27", "64/26", "128/25")
 
 
 class NetnsError(RuntimeError):
@@ -257,6 +261,19 @@ class NetnsLab:
 
     def heal(self, node: int) -> None:
         _ip("-n", self.plan.node_ns(node), "link", "set", "eth0", "up")
+
+    def cut_peers(self, node: int) -> None:
+        """Drop what ``node`` sends to the other nodes, and so its answers to them; the
+        store (``.1``) stays reachable. Node addresses start at ``.10``."""
+        for block in _PEER_BLOCKS:
+            _ip("-n", self.plan.node_ns(node), "route", "add", "blackhole",
+                f"{NETWORK}.{self.plan.index}.{block}")
+
+    def heal_peers(self, node: int) -> None:
+        for block in _PEER_BLOCKS:
+            with contextlib.suppress(NetnsError):
+                _ip("-n", self.plan.node_ns(node), "route", "del", "blackhole",
+                    f"{NETWORK}.{self.plan.index}.{block}")
 
     def call_in_store(self, fn: Callable[[], T]) -> T:
         return call_in(self.plan.switch, fn)

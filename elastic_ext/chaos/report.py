@@ -22,6 +22,7 @@ from typing import Any
 
 from elastic_ext.chaos.invariants import FaultRecord, Restart
 from elastic_ext.chaos.runner import RunResult
+from elastic_ext.chaos.soak import SoakResult, fault_lines, summary_lines
 from elastic_ext.runlog import Mark
 from elastic_ext.timeline import MissingMatplotlib, draw
 
@@ -139,3 +140,89 @@ def summaries(results: Sequence[RunResult]) -> Mapping[str, Any]:
                            "violations": [str(v) for v in
                                           (r.verdict.violations if r.verdict else ())]}
                           for r in results]}
+
+
+# ---------------------------------------------------------------------------------- soak
+def soak_summary(result: SoakResult) -> dict[str, Any]:
+    """A soak's own report: the schedule, one entry per fault, the summary numbers."""
+    plan, stats, t0 = result.soak, result.stats, result.run.started
+    return {
+        "scenario": plan.scenario.name,
+        "result": "skipped" if result.skipped else "pass" if result.ok else "fail",
+        "seed": plan.seed,
+        "duration_s": plan.duration_s,
+        "every_s": list(plan.every),
+        "nodes": plan.nodes,
+        "kinds": list(plan.kinds),
+        "recovery_bound_s": plan.recovery_bound_s,
+        "replay": plan.replay_command(),
+        "run_s": _round(result.run.ended - result.run.started, 1),
+        "faults": [{"number": o.number, "kind": o.kind, "description": o.description,
+                    "detail": o.detail, "t": None if o.time is None else _round(o.time - t0),
+                    "recover_s": _round(o.recover_s), "restarts": o.restarts,
+                    "lost_steps": o.lost}
+                   for o in result.outcomes],
+        "summary": {"planned": stats.planned, "fired": stats.fired,
+                    "by_kind": dict(stats.by_kind), "recovered": stats.recovered,
+                    "median_recover_s": stats.median_recover_s,
+                    "worst_recover_s": stats.worst_recover_s, "lost_steps": stats.lost_steps,
+                    "longest_stall_s": _round(result.longest_stall_s, 1)},
+        "violations": [{"invariant": v.invariant, "message": v.message}
+                       for v in result.all_violations],
+    }
+
+
+def _soak_markers(result: SoakResult) -> list[Mark]:
+    """A soak has dozens of faults: each is labelled by its number and kind (the per-fault
+    lines say the rest); what restores the shape and each recovery are unlabelled lines."""
+    obs, verdict = result.run.observation, result.run.verdict
+    assert obs is not None and verdict is not None
+    fired = {o.time for o in result.outcomes if o.time is not None}
+    marks = [Mark(o.time, f"{o.number} {o.kind}", "fault")
+             for o in result.outcomes if o.time is not None]
+    marks += [Mark(f.time, "", "restore") for f in obs.faults if f.time not in fired]
+    marks += [Mark(r.recovered_at, "", "recovery")
+              for r in verdict.restarts if r.recovered_at is not None]
+    return sorted(marks, key=lambda m: (m.time, m.label, m.kind))
+
+
+def plot_soak_timeline(result: SoakResult, path: Path) -> Path:
+    """The soak's timeline PNG; :class:`ReportError` when matplotlib is not installed."""
+    run, stats = result.run, result.stats
+    if run.verdict is None or run.observation is None:
+        raise ReportError(f"{run.scenario.name} did not run: {run.skipped}")
+    verdict_text = "PASS" if result.ok else f"FAIL ({len(result.all_violations)} broken)"
+    worst = f", worst recovery {stats.worst_recover_s:g}s" if stats.worst_recover_s else ""
+    title = (f"chaos soak, seed {result.soak.seed}: {verdict_text}; {stats.fired} faults"
+             f"{worst}; lost steps {run.verdict.lost_steps}; params {run.verdict.params_check}")
+    try:
+        return draw(path, title=title, xlabel="seconds since the harness started",
+                    segments=run.verdict.segments, events=run.observation.events,
+                    marks=_soak_markers(result), t0=run.started, end=run.ended - run.started,
+                    extra="chaos")
+    except MissingMatplotlib as exc:
+        raise ReportError(str(exc)) from exc
+
+
+def write_soak_report(result: SoakResult, directory: Path) -> dict[str, Path]:
+    """``NAME.json`` (the run's summary, as for any scenario), ``NAME.png`` (the timeline,
+    faults numbered), ``NAME-soak.json``, ``NAME-soak.txt`` (one line per fault and the
+    summary) and ``NAME.scn`` (the schedule, to replay)."""
+    name = result.soak.scenario.name
+    written = {"json": write_json(result.run, directory / f"{name}.json")}
+    if result.run.verdict is not None:
+        try:
+            written["png"] = plot_soak_timeline(result, directory / f"{name}.png")
+        except ReportError as exc:
+            logger.warning("%s", exc)
+    data = directory / f"{name}-soak.json"
+    data.write_text(json.dumps(soak_summary(result), indent=2) + "\n")
+    written["soak"] = data
+    text = directory / f"{name}-soak.txt"
+    text.write_text("\n".join([*fault_lines(result), *summary_lines(result),
+                               *(f"- {v}" for v in result.all_violations)]) + "\n")
+    written["lines"] = text
+    schedule = directory / f"{name}.scn"
+    schedule.write_text(result.soak.text)
+    written["schedule"] = schedule
+    return written

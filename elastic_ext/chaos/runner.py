@@ -340,7 +340,8 @@ class ScenarioRun:
                 job.start(settings.nodes)
                 self._play(job, injector)
                 stopped = not any(node.alive() for node in job.nodes)
-                nodes = [NodeOutcome(n.name, n.proc.popen.poll(), n.name in injector.killed)
+                nodes = [NodeOutcome(n.name, n.proc.popen.poll(), n.name in injector.killed,
+                                     left_out=n.name in injector.cut_off)
                          for n in job.nodes]
                 if stopped:
                     leftovers, bound = self._leftovers(job, lab)

@@ -31,7 +31,11 @@ that neither hosts rank 0 nor the embedded store — or ``all``):
 - ``freeze node TARGET for D``: SIGSTOP the node, SIGCONT after D;
 - ``partition node TARGET for D``: take the node's network link down, up after D
   (the nodes then run in network namespaces);
-- ``preempt all``: SIGUSR2 to every worker, as SLURM's ``--signal=USR2@N`` does;
+- ``cut peers of node TARGET for D``: the node still reaches the store but neither
+  reaches the other nodes nor answers them, for D (network namespaces too);
+- ``preempt all``: SIGUSR2 to every worker and etcd-ext agent, as SLURM's
+  ``--signal=USR2@N`` does; ``preempt agents``: to the agents alone (a notice that
+  comes between rounds, or that only torchrun gets);
 - ``start node`` / ``start N nodes`` / ``start all``: start 1 / N new nodes / as many as ``nodes``;
 - ``kill etcd leader|follower|all [for D]``: SIGKILL etcd member(s); with ``for``,
   start them again on the same data directory after D;
@@ -51,6 +55,10 @@ from typing import Any
 
 __all__ = ["SETTINGS", "Action", "Fault", "Scenario", "ScenarioError", "Settings", "Trigger",
            "parse"]
+
+
+NETNS_VERBS = ("partition", "cut-peers")
+"""Actions that need every node in a network namespace of its own."""
 
 
 class ScenarioError(ValueError):
@@ -202,13 +210,14 @@ class Action:
     @property
     def crash(self) -> bool:
         """Whether the job may lose the steps since its last snapshot because of this fault."""
-        return self.verb in ("kill-worker", "kill-node", "freeze", "partition")
+        return self.verb in ("kill-worker", "kill-node", "freeze", "partition", "cut-peers")
 
     def describe(self) -> str:
         words = {
             "kill-worker": f"kill worker {self.target}", "kill-node": f"kill node {self.target}",
             "freeze": f"freeze node {self.target}", "partition": f"partition node {self.target}",
-            "preempt": "preempt all",
+            "cut-peers": f"cut peers of node {self.target}",
+            "preempt": f"preempt {self.target}",
             "start-node": "start node" if self.count == 1 else f"start {self.count} nodes",
             "start-all": "start all", "kill-etcd": f"kill etcd {self.target}",
             "fill-disk": "fill disk",
@@ -238,7 +247,7 @@ class Scenario:
         """``netns`` when a partition needs the nodes in their own namespaces, else as set."""
         if self.settings.network != "auto":
             return self.settings.network
-        return "netns" if any(f.action.verb == "partition" for f in self.faults) else "loopback"
+        return "netns" if any(f.action.verb in NETNS_VERBS for f in self.faults) else "loopback"
 
     @property
     def needs_tmpfs(self) -> bool:
@@ -270,7 +279,9 @@ _ACTIONS: list[tuple[re.Pattern[str], Callable[[re.Match[str]], Action]]] = [
      lambda m: Action("freeze", m.group(1), duration=float(m.group(2)))),
     (re.compile(rf"partition node {_NODE_TARGET} for {_DURATION}"),
      lambda m: Action("partition", m.group(1), duration=float(m.group(2)))),
-    (re.compile(r"preempt all"), lambda m: Action("preempt", "all")),
+    (re.compile(rf"cut peers of node {_NODE_TARGET} for {_DURATION}"),
+     lambda m: Action("cut-peers", m.group(1), duration=float(m.group(2)))),
+    (re.compile(r"preempt (all|agents)"), lambda m: Action("preempt", m.group(1))),
     (re.compile(r"start node"), lambda m: Action("start-node")),
     (re.compile(r"start (\d+) nodes?"),
      lambda m: Action("start-node", count=_positive_int(m.group(1)))),
@@ -320,7 +331,9 @@ def parse(text: str, name: str = "scenario") -> Scenario:
             action = _match(_ACTIONS, what)
             if action is None:
                 raise ScenarioError(f"unknown action {what!r} (kill worker|node T, "
-                                    "freeze|partition node T for Ds, preempt all, start node, "
+                                    "freeze|partition node T for Ds, "
+                                    "cut peers of node T for Ds, preempt all|agents, "
+                                    "start node, "
                                     "start N nodes, start all, "
                                     "kill etcd leader|follower|all [for Ds], fill disk [for Ds])")
             faults.append(Fault(trigger, action, number))
@@ -341,7 +354,7 @@ def _validate(settings: Settings, faults: tuple[Fault, ...] | list[Fault],
         fail(None, f"nodes = {settings.nodes} is more than nnodes MAX ({settings.nnodes})")
     if settings.global_batch_size < settings.max_nodes * settings.nproc_per_node:
         fail(None, "global-batch-size is smaller than the largest world size")
-    uses_netns = settings.network == "netns" or any(f.action.verb == "partition" for f in faults)
+    uses_netns = settings.network == "netns" or any(f.action.verb in NETNS_VERBS for f in faults)
     if uses_netns and settings.network == "loopback":
         fail(None, "a partition needs network = netns (or auto)")
     if uses_netns and settings.store != "etcd":
@@ -353,7 +366,7 @@ def _validate(settings: Settings, faults: tuple[Fault, ...] | list[Fault],
                 fail(fault, "kill etcd needs store = etcd")
             if action.target == "follower" and settings.etcd_members < 3:
                 fail(fault, "kill etcd follower needs etcd-members = 3")
-        if action.verb in ("freeze", "partition") and action.target == "all":
+        if action.verb in ("freeze", "partition", "cut-peers") and action.target == "all":
             fail(fault, f"{action.verb} needs one node, not all")
         if action.verb == "kill-worker" and action.target == "all":
             fail(fault, "kill worker needs one node, not all")

@@ -7,7 +7,9 @@ tests (``tests/test_backend_contract.py``) run on every store, the in-memory tes
 included. State values carry a magic prefix so garbage in the key is reported, not parsed.
 
 Key layout of a run, relative to ``Settings.run_prefix`` (``<key_prefix>/<run_id>/``):
-``state`` (the JSON state), ``hb/<node>`` (heartbeats) and the rounds' c10d stores.
+``state`` (the JSON state), ``hb/<node>`` (heartbeats) and the rounds' c10d stores; the
+embedded store with several candidate hosts adds ``store_term`` and ``store_id``
+(``c10d_backend.py``).
 """
 
 from __future__ import annotations
@@ -73,7 +75,9 @@ class StoreBackend(ABC):
     :class:`~elastic_ext.rendezvous.errors.StoreUnavailableError` when no endpoint
     answered within ``connect_timeout`` and
     :class:`~elastic_ext.rendezvous.errors.StoreAuthError` when the store refused the
-    credentials or certificate (retrying will not help).
+    credentials or certificate (retrying will not help). A store that moves (the embedded
+    store with several candidate hosts) is followed inside the method, which then raises
+    ``StoreUnavailableError`` only when no candidate answered within ``connect_timeout``.
     """
 
     @property
@@ -83,13 +87,15 @@ class StoreBackend(ABC):
 
     @property
     def outages_are_transient(self) -> bool:
-        """Whether an unreachable store may come back (an etcd cluster) or is gone for good
-        (the embedded store died with the agent that hosted it)."""
+        """Whether an unreachable store may come back (an etcd cluster; the embedded store
+        with several candidate hosts, which moves to the next) or is gone for good (the
+        embedded store with one endpoint died with the agent that hosted it)."""
         return True
 
     @property
     def hosts_store(self) -> bool:
-        """Whether this agent's own process serves the store (the embedded store's host)."""
+        """Whether this agent's own process serves the store now (the embedded store's
+        host; it changes when that store moves here or away)."""
         return False
 
     @abstractmethod
@@ -155,4 +161,6 @@ class StoreBackend(ABC):
         """Another connection to the same keys, for another thread."""
 
     def close(self) -> None:  # noqa: B027 - an optional hook, not a required method
-        """Release this connection; the default has nothing to release. Never raises."""
+        """Release this connection; the default has nothing to release. Never raises.
+        The backend an agent opened (not a clone) stops serving an embedded store with
+        several candidates that this agent hosts: the others move to the next candidate."""

@@ -17,6 +17,8 @@ from torch.distributed.elastic.rendezvous.api import (
 __all__ = [
     "ConfigError",
     "RestartBudgetExhaustedError",
+    "JobFinishedError",
+    "NodeExcludedError",
     "StoreUnavailableError",
     "StoreAuthError",
     "CorruptStateError",
@@ -43,3 +45,11 @@ class CorruptStateError(RendezvousStateError):
 
 class RestartBudgetExhaustedError(RendezvousClosedError):
     """The job-wide ``--max-restarts`` budget is spent; every agent stops."""
+
+
+class JobFinishedError(RendezvousClosedError):
+    """The job finished while this node was away (frozen, cut off): nothing left to do."""
+
+
+class NodeExcludedError(RendezvousClosedError):
+    """The other nodes cannot reach this one (though the store can): it was left out."""

@@ -34,11 +34,14 @@ class EventKind(str, enum.Enum):
     NODE_DEAD = "node_dead"  # peer: its heartbeat stopped moving
     NODE_LEFT = "node_left"  # peer: it left cleanly
     BUDGET_SPENT = "budget_spent"  # note: the job-wide restart budget is spent
+    UNREACHABLE = "unreachable"  # peers, round: those nodes did not answer this agent at all
+    EXCLUDED = "excluded"  # why: the other nodes cannot reach this one; it leaves the job
+    FINISHED_AWAY = "finished_away"  # the job finished while this node was away; it exits
     LEFT = "left"  # this agent left the run
 
 
 _NODE_STATES = {EventKind.JOINED: NodeState.RUNNING, EventKind.BUDGET_SPENT: NodeState.FAILED,
-                EventKind.LEFT: NodeState.SUCCEEDED}
+                EventKind.EXCLUDED: NodeState.FAILED, EventKind.LEFT: NodeState.SUCCEEDED}
 
 
 class EventLog:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+from elastic_ext.control import AgentControl
 from elastic_ext.logs import configure_for_torchrun
 from elastic_ext.rendezvous.backend import StoreBackend
 from elastic_ext.rendezvous.handler import EtcdExtRendezvousHandler
@@ -67,7 +68,9 @@ def build_handler(params: RendezvousParameters, backend_name: str) -> EtcdExtRen
 
     warm = WarmStartServer.for_workers(torchrun_worker_command(), enabled=settings.warm_start,
                                        preload=settings.warm_preload)
+    control = AgentControl()
+    control.catch_preemption()  # torchrun itself has no handler for SLURM's SIGUSR2
     return EtcdExtRendezvousHandler(
         settings, backend, backend_name=backend_name, metrics=metrics,
         events_file=Path(settings.events_file) if settings.events_file else None,
-        starter=warm)
+        control=control, starter=warm)

@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
@@ -30,7 +31,12 @@ from elastic_ext.control import AgentControl
 from elastic_ext.net import free_port
 from elastic_ext.rendezvous.backend import StoreBackend, Token
 from elastic_ext.rendezvous.clock import SYSTEM_CLOCK, Clock
-from elastic_ext.rendezvous.errors import RestartBudgetExhaustedError, StoreUnavailableError
+from elastic_ext.rendezvous.errors import (
+    JobFinishedError,
+    NodeExcludedError,
+    RestartBudgetExhaustedError,
+    StoreUnavailableError,
+)
 from elastic_ext.rendezvous.events import EventKind, EventLog
 from elastic_ext.rendezvous.keeper import Keeper
 from elastic_ext.rendezvous.liveness import LEFT
@@ -39,6 +45,8 @@ from elastic_ext.rendezvous.settings import Settings
 from elastic_ext.rendezvous.state import (
     BudgetSpent,
     Closed,
+    Excluded,
+    Finished,
     Joined,
     Limits,
     NodeInfo,
@@ -50,7 +58,7 @@ from elastic_ext.rendezvous.state import (
     Write,
     decide,
 )
-from elastic_ext.torch_compat import agent_gave_up
+from elastic_ext.torch_compat import agent_gave_up, workers_succeeded
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +122,7 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         self._keeper_thread = keeper_thread
         self._keeper_started = False
         self._completed: tuple[str, int] | None = None
+        self._last_order: tuple[str, ...] = ()  # the nodes of the round we last joined
         self._min_reached_at: dict[tuple[str, int], float] = {}
         self._last_written_note = ""
         self._events.emit(EventKind.STARTED,
@@ -145,10 +154,13 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
             self._wait_for_starter_before_joining_a_running_job()
         pressure = self.keeper.pressure
         reenter = pressure.reason if self._completed else Reason.START
+        unreachable: frozenset[str] = frozenset()
         if self._completed:
             why = pressure.why or "this node's workers failed"
             self._events.emit(EventKind.RESTART, f"restart after round {self._completed[1]}: {why}",
                               after_round=self._completed[1], why=why)
+            if reenter is Reason.FAILURE or not self.keeper.round_progressed():
+                unreachable = self._unreachable_peers()
         self.keeper.watch_round(None)
         my_info = NodeInfo(self._addr, free_port("::" if ":" in self._addr else ""))
         fresh_generation = uuid.uuid4().hex[:12]
@@ -160,9 +172,12 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
             except StoreUnavailableError as exc:
                 self._wait_out_outage(exc, deadline)
                 continue
+            if state is None and self._completed is not None and self._last_round_left():
+                raise JobFinishedError(self._finished_message(None))
             view = View(me=self._node, my_info=my_info, dead=self._dead_or_gone(state),
                         completed=self._completed, min_reached_for=self._min_reached_for(state),
-                        reenter_reason=reenter, fresh_generation=fresh_generation)
+                        reenter_reason=reenter, fresh_generation=fresh_generation,
+                        unreachable=unreachable)
             decision = decide(state, view, self._limits)
             if isinstance(decision, Write):
                 try:
@@ -181,6 +196,18 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
                 raise RestartBudgetExhaustedError(message)
             if isinstance(decision, Closed):
                 raise RendezvousClosedError(f"etcd-ext run {self._settings.run_id} was closed")
+            if isinstance(decision, Finished):
+                raise JobFinishedError(self._finished_message(decision.state))
+            if isinstance(decision, Excluded):
+                message = (f"etcd-ext run {self._settings.run_id}: node {self._node} was left "
+                           f"out of the job: {decision.state.excluded[self._node]}. Its workers "
+                           "cannot train with nodes that cannot reach it: check the network "
+                           "between the nodes (firewall, routes, --local-addr), then start it "
+                           "again to rejoin")
+                logger.error(message)
+                self._events.emit(EventKind.EXCLUDED, message,
+                                  why=decision.state.excluded[self._node])
+                raise NodeExcludedError(message)
             if state is not None and state.note not in (last_note, self._last_written_note):
                 last_note = state.note
                 logger.info("etcd-ext: %s", state.note)
@@ -207,6 +234,13 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
                 self._update_status(Status.BUDGET_SPENT,
                                     f"restart budget spent: node {self._node} used up "
                                     f"--max-restarts={self._settings.max_restarts} and left")
+            elif self._completed is not None and workers_succeeded():
+                generation = self._completed[0]
+                self._update_status(
+                    Status.FINISHED, f"finished: the workers of round {self._completed[1]} "
+                                     f"completed (node {self._node})",
+                    only_if=lambda state: state.status is Status.ACTIVE
+                    and state.generation == generation)
             self.keeper.stop()
             self._backend.leave(self._node)
             self._events.emit(EventKind.LEFT, f"node {self._node} left")
@@ -226,13 +260,45 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
 
     # -- internals ---------------------------------------------------------------------------
     def _wait_out_outage(self, exc: StoreUnavailableError, deadline: float) -> None:
-        """Inside a rendezvous an etcd outage is waited out until the join deadline; the
-        embedded store does not come back, so losing it ends the rendezvous at once."""
+        """Inside a rendezvous an outage is waited out until the join deadline when the
+        store can come back (an etcd cluster, an embedded store with other candidate
+        hosts to move to); a lone embedded store does not, so losing it ends the
+        rendezvous at once."""
         if not self._backend.outages_are_transient or self._clock.monotonic() > deadline:
             raise exc
         logger.warning("etcd-ext: store unreachable, still trying until the join timeout: %s",
                        exc)
         self._clock.sleep(_POLL)
+
+    def _unreachable_peers(self) -> frozenset[str]:
+        """The nodes of our last round that do not answer at all, so the next round can
+        leave out a node the others cannot reach (``state.unreachable_by_most``)."""
+        others = set(self._last_order) - {self._node}
+        if not others:
+            return frozenset()
+        silent = self.keeper.unreachable_among(others, self._addrs)
+        if silent:
+            self._events.emit(EventKind.UNREACHABLE,
+                              f"no answer from {', '.join(sorted(silent))}",
+                              peers=sorted(silent), round=self._completed[1]
+                              if self._completed else None)
+        return silent
+
+    def _last_round_left(self) -> bool:
+        """Whether every other node of our last round left or lost its heartbeat key: a
+        missing state then means the last of them removed the finished run's keys."""
+        others = sorted(set(self._last_order) - {self._node})
+        beats = self._backend.read_beats(others)
+        return all(value is None or value == LEFT for value in beats.values())
+
+    def _finished_message(self, state: RunState | None) -> str:
+        after = f"round {self._completed[1]}" if self._completed else "the rendezvous"
+        how = state.note if state is not None else "its keys are removed"
+        message = (f"etcd-ext run {self._settings.run_id}: the job finished while this node "
+                   f"was away (after {after}; {how}); nothing left to do here")
+        logger.warning(message)
+        self._events.emit(EventKind.FINISHED_AWAY, message)
+        return message
 
     def _remove_run_if_everyone_left(self) -> None:
         """The last agent to leave removes the run's keys, so a finished job leaves nothing.
@@ -320,6 +386,7 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
 
     def _joined(self, state: RunState) -> RendezvousInfo:
         self._completed = (state.generation, state.round)
+        self._last_order = state.order
         self.keeper.watch_round(self._completed)
         self._control.publish_round(state.round)
         rank = state.rank_of(self._node)
@@ -348,7 +415,8 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         self._min_reached_at = {k: v for k, v in self._min_reached_at.items()
                                 if k == (state.generation, state.round)}
 
-    def _update_status(self, status: Status, note: str) -> None:
+    def _update_status(self, status: Status, note: str,
+                       only_if: Callable[[RunState], bool] = lambda state: True) -> None:
         kind = EventKind.BUDGET_SPENT if status is Status.BUDGET_SPENT else EventKind.STATE
         retrying = Retrying(stop=stop_after_delay(self._settings.timeouts.close),
                             wait=wait_fixed(0.1),
@@ -357,7 +425,7 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
             with attempt:
                 while True:
                     state, token = self._read()
-                    if state is None or state.status is status:
+                    if state is None or state.status is status or not only_if(state):
                         return
                     result = self._backend.set_state(
                         replace(state, status=status, note=note).to_bytes(), token)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from elastic_ext.control import AgentControl
 from elastic_ext.rendezvous.backend import StoreBackend, presence_port_of
@@ -21,10 +21,21 @@ from elastic_ext.rendezvous.clock import SYSTEM_CLOCK, Clock
 from elastic_ext.rendezvous.errors import CorruptStateError
 from elastic_ext.rendezvous.events import EventKind, EventLog
 from elastic_ext.rendezvous.liveness import LEFT, Liveness
-from elastic_ext.rendezvous.presence import PresenceListener, PresenceProbe
-from elastic_ext.rendezvous.state import Limits, Phase, Reason, RunState, restart_pressure
+from elastic_ext.rendezvous.presence import PresenceListener, PresenceProbe, unreachable_among
+from elastic_ext.rendezvous.state import (
+    Limits,
+    Phase,
+    Reason,
+    RunState,
+    Status,
+    restart_pressure,
+)
 
 logger = logging.getLogger(__name__)
+
+PROGRESS_WITHOUT_REPORTS_S = 120.0
+"""Workers that never report steps (``control.report_progress``; the bundled trainer and
+``PreemptionGuard`` do) count as progressing once their round has run this long."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,9 @@ class Keeper:
         self._probe = PresenceProbe()
         self._ports: dict[str, int] = {}  # presence ports from the heartbeats last read
         self._lost_told: tuple[str, int] | None = None  # the round whose workers know
+        self._round_since = clock.monotonic()  # when the watched round was handed over
+        self._progressed = False  # the watched round's workers completed a step
+        self._steps_reported = False  # this agent's workers ever reported one
 
     # -- what the handler reads ---------------------------------------------------------
     @property
@@ -92,11 +106,25 @@ class Keeper:
             peers = self._peers
         return {node: age for node, age in silence.items() if node in peers}
 
+    def unreachable_among(self, nodes: Iterable[str], addrs: Mapping[str, str]) -> frozenset[str]:
+        """Of ``nodes``, those whose machine does not answer at all (``presence.answers``)."""
+        with self._lock:
+            targets = {n: (addrs[n], self._ports[n]) for n in nodes
+                       if n in self._ports and n in addrs and n != self._node}
+        return unreachable_among(targets)
+
+    def round_progressed(self) -> bool:
+        """Whether the watched round's workers completed a training step."""
+        with self._lock:
+            return self._progressed
+
     def watch_round(self, round_: tuple[str, int] | None) -> None:
         with self._lock:
             self._round = round_
             self._pressure = Pressure()
             self._reported_dead.clear()
+            self._round_since = self._clock.monotonic()
+            self._progressed = False
 
     # -- the thread ---------------------------------------------------------------------
     def start(self) -> None:
@@ -162,10 +190,18 @@ class Keeper:
                     self._events.emit(EventKind.NODE_DEAD,
                                       f"node {node} declared dead (no heartbeat change)", peer=node)
             self._reported_dead |= dead
-            if self._round is None or state is None:
+            if self._round is None:
                 return
             if self._round != watched:
                 return  # the agent joined a round while we read: this read is about the last
+            if state is None:
+                # The last agent of a finished job removed the run's keys while this one
+                # was away (frozen): nothing to train with any more.
+                if not self._pressure.count:
+                    self._leave_round(Pressure(1, "the run's state is gone: the job finished",
+                                               Reason.MEMBERSHIP))
+                return
+            record_progress = self._note_progress(state)
             lost = sorted(dead & self._members_of_our_round(state) - {self._node})
             if lost and self._lost_told != self._round:
                 # Also after another reason came first: the stop must not wait on them.
@@ -179,7 +215,31 @@ class Keeper:
             if count:
                 self._leave_round(Pressure(count, why, reason))
                 return
+        if record_progress and current is not None:
+            self._record_progress(state, current[1])
         self.check_worker_report()
+
+    def _note_progress(self, state: RunState) -> bool:
+        """Update what we know of the watched round's progress (under ``_lock``); True when
+        the run's state should learn it from us."""
+        assert self._round is not None
+        if not self._progressed:
+            if self._control.progress_reported(self._round[1]):
+                self._progressed = self._steps_reported = True
+            elif not self._steps_reported and \
+                    self._clock.monotonic() - self._round_since >= PROGRESS_WITHOUT_REPORTS_S:
+                self._progressed = True
+        return (self._progressed and (state.generation, state.round) == self._round
+                and state.phase is Phase.CLOSED and state.status is Status.ACTIVE
+                and state.progress_round < state.round)
+
+    def _record_progress(self, state: RunState, token: object) -> None:
+        """Tell the run that its round trained (one write per round, whoever is first), so
+        that restarts after it are not counted as rounds without progress."""
+        try:
+            self._backend.set_state(replace(state, progress_round=state.round).to_bytes(), token)
+        except Exception as exc:  # the next tick tries again
+            logger.debug("etcd-ext: could not record the round's progress: %s", exc)
 
     def _members_of_our_round(self, state: RunState) -> set[str]:
         """Who our workers train with: the state's round, or the one a newer open round

@@ -9,6 +9,11 @@ connection at once. Each agent listens on a port it puts in its heartbeat; a rou
 stops waiting for a node whose port refuses. Anything but a refusal (a timeout, a
 frozen agent, a dead machine, a firewall that drops) says nothing, and the round
 waits as before.
+
+The same ports tell whether nodes can reach each other at all: after a round that
+failed, or ended before a training step, each agent checks that it can connect to the
+other nodes of that round (a frozen agent's kernel still answers). A node most others
+cannot reach, though the store can, is left out (``state.unreachable_by_most``).
 """
 
 from __future__ import annotations
@@ -16,11 +21,15 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 0.2
 REPROBE_AFTER_S = 0.2
+REACH_TIMEOUT_S = 1.0
+_REACH_THREADS = 32
 
 
 class PresenceListener:
@@ -55,15 +64,20 @@ class PresenceListener:
         self._sock.close()
 
 
-def refuses(addr: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool:
-    """True only when ``addr:port`` actively refused a connection: nobody listens there."""
+def _dial(addr: str, port: int, timeout: float) -> str:
+    """``connected``, ``refused`` (nobody listens there) or ``silent`` (no answer in time)."""
     try:
         with socket.create_connection((addr, port), timeout=timeout):
-            return False
+            return "connected"
     except ConnectionRefusedError:
-        return True
+        return "refused"
     except OSError:
-        return False
+        return "silent"
+
+
+def refuses(addr: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """True only when ``addr:port`` actively refused a connection: nobody listens there."""
+    return _dial(addr, port, timeout) == "refused"
 
 
 class PresenceProbe:
@@ -87,3 +101,25 @@ class PresenceProbe:
             self._gone.add(key)
             return True
         return False
+
+
+def answers(addr: str, port: int, timeout: float = REACH_TIMEOUT_S) -> bool:
+    """Whether ``addr:port``'s machine answered at all: a connection or a refusal. False
+    when nothing came back in ``timeout`` (dropped packets, no route)."""
+    return _dial(addr, port, timeout) != "silent"
+
+
+def unreachable_among(targets: Mapping[str, tuple[str, int]],
+                      timeout: float = REACH_TIMEOUT_S) -> frozenset[str]:
+    """The nodes of ``targets`` (node -> presence address and port) that do not answer,
+    probed in parallel so that the whole check takes about ``timeout``."""
+    if not targets:
+        return frozenset()
+    nodes = sorted(targets)
+    with ThreadPoolExecutor(max_workers=min(_REACH_THREADS, len(nodes))) as pool:
+        replies = list(pool.map(lambda n: answers(*targets[n], timeout=timeout), nodes))
+    silent = frozenset(n for n, ok in zip(nodes, replies, strict=True) if not ok)
+    if silent:
+        logger.warning("etcd-ext: no answer from %s within %.1fs", ", ".join(sorted(silent)),
+                       timeout)
+    return silent

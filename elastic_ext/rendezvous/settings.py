@@ -35,9 +35,11 @@ CONF_KEYS: dict[str, tuple[str, str]] = {
     "request_timeout": ("2.0", "seconds one etcd request may take before the next endpoint "
                                "is tried"),
     "connect_timeout": ("15", "seconds one store operation keeps retrying across endpoints; "
-                              "an agent that cannot reach etcd at start, or loses the embedded "
-                              "store, fails after this with the endpoints named (inside a "
-                              "rendezvous an etcd outage is waited out until `join_timeout`)"),
+                              "an agent that cannot reach etcd at start fails after this with "
+                              "the endpoints named (inside a rendezvous an etcd outage is "
+                              "waited out until `join_timeout`); with several embedded-store "
+                              "candidates, the longest one search for the next live host may "
+                              "take"),
     "max_restarts": ("torchrun's `--max-restarts`",
                      "job-wide budget of worker-failure restarts, kept in the store; "
                      "membership changes are free"),
@@ -48,7 +50,11 @@ CONF_KEYS: dict[str, tuple[str, str]] = {
     "password_env": (DEFAULT_PASSWORD_ENV, "environment variable that holds the etcd password"),
     "password_file": ("", "file whose first line is the etcd password"),
     "is_host": ("auto", "c10d store only: whether this node hosts the embedded TCPStore "
-                        "(`auto`: the node whose address matches the endpoint tries)"),
+                        "(`auto`: the node whose address matches the endpoint tries). With "
+                        "several candidates (`c10d://node1:29400,node2:29400`) `auto` lets a "
+                        "node host the entries that name it: its `--local-addr`, or one of its "
+                        "host names or addresses (a loopback entry only when it equals "
+                        "`--local-addr` or none is given); `false`: never host"),
     "events_file": ("", "append one JSON line per rendezvous event of this agent to this file "
                         "(for tools and audits; see `elastic_ext/rendezvous/events.py`)"),
     "metrics_port": ("", "serve this agent's Prometheus metrics on this port of every "
@@ -97,7 +103,7 @@ class TlsSettings:
 @dataclass(frozen=True)
 class Settings:
     store: str  # "etcd" or "c10d"
-    endpoints: tuple[Endpoint, ...]
+    endpoints: tuple[Endpoint, ...]  # etcd's members; c10d: candidate hosts, in order
     scheme: str  # "http" or "https" for etcd; "tcp" for c10d
     key_prefix: str
     run_id: str
@@ -206,6 +212,23 @@ def parse_endpoints(text: str, default_port: int) -> tuple[str | None, tuple[End
     return scheme, tuple(endpoints)
 
 
+def _check_c10d_candidates(endpoints: tuple[Endpoint, ...], conf: Mapping[str, Any]) -> None:
+    """The embedded store's candidate hosts: each once, and no single forced host."""
+    seen: set[tuple[str, int]] = set()
+    for endpoint in endpoints:
+        key = (endpoint.host.lower(), endpoint.port)
+        if key in seen:
+            raise ConfigError(f"--rdzv-endpoint names {endpoint} twice: list each candidate "
+                              "host of the embedded c10d store once, in the order they take "
+                              "over, e.g. c10d://node1:29400,node2:29400,node3:29400")
+        seen.add(key)
+    if len(endpoints) > 1 and _bool_or_auto("is_host", conf.get("is_host", "auto")):
+        raise ConfigError("--rdzv-conf is_host=true names the one host of a single c10d "
+                          "endpoint; with several candidates each node hosts the entries that "
+                          "name it (its --local-addr or host name): leave is_host=auto, or set "
+                          "is_host=false on nodes that must never host")
+
+
 def _read_password(conf: Mapping[str, Any], user: str | None) -> str | None:
     if not user:
         return None
@@ -260,9 +283,7 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
         if scheme not in {None, "c10d", "tcp"}:
             raise ConfigError(f"store c10d takes a c10d://HOST:PORT endpoint, not {scheme}://")
         endpoints = endpoints or (Endpoint("127.0.0.1", DEFAULT_C10D_PORT),)
-        if len(endpoints) != 1:
-            raise ConfigError("the embedded c10d store has one endpoint, HOST:PORT; "
-                              "for several endpoints use an etcd cluster")
+        _check_c10d_candidates(endpoints, conf)
         wire_scheme = "tcp"
     else:
         if scheme not in {None, "etcd", "http", "https", "etcds"}:

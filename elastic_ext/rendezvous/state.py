@@ -33,6 +33,7 @@ class Status(str, enum.Enum):
     ACTIVE = "active"
     BUDGET_SPENT = "budget_spent"
     CLOSED = "closed"  # closed for good by an operator (``set_closed``)
+    FINISHED = "finished"  # the workers of a round completed: the job is done
 
 
 class Reason(str, enum.Enum):
@@ -68,6 +69,10 @@ class RunState:
     max_restarts: int | None = None  # the job's budget, fixed when its generation starts
     status: Status = Status.ACTIVE
     note: str = ""
+    progress_round: int = 0  # the last round whose workers completed a training step
+    # open: nodes each member could not reach (it probes after a round without progress)
+    unreachable: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    excluded: Mapping[str, str] = field(default_factory=dict)  # node -> why, this generation
 
     def known_nodes(self) -> set[str]:
         return set(self.members) | set(self.waiting) | set(self.previous)
@@ -88,6 +93,9 @@ class RunState:
             "waiting": {k: v.to_json() for k, v in self.waiting.items()},
             "previous": list(self.previous), "opened_because": self.opened_because.value,
             "restarts": self.restarts, "max_restarts": self.max_restarts, "note": self.note,
+            "progress_round": self.progress_round,
+            "unreachable": {k: list(v) for k, v in self.unreachable.items()},
+            "excluded": dict(self.excluded),
         }
         return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -109,6 +117,11 @@ class RunState:
                 opened_because=Reason(doc["opened_because"]),
                 restarts=_int(doc["restarts"]), note=_text(doc.get("note", "")),
                 max_restarts=None if doc.get("max_restarts") is None else _int(doc["max_restarts"]),
+                progress_round=_int(doc.get("progress_round", 0)),
+                unreachable={_text(k): tuple(_text(n) for n in _list(v))
+                             for k, v in _mapping(doc.get("unreachable", {})).items()},
+                excluded={_text(k): _text(v)
+                          for k, v in _mapping(doc.get("excluded", {})).items()},
             )
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError,
                 RecursionError) as exc:
@@ -131,6 +144,18 @@ def _int(value: Any) -> int:
     return value
 
 
+def _mapping(value: Any) -> dict[Any, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a mapping, got {type(value).__name__}")
+    return value
+
+
+def _list(value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise ValueError(f"expected a list, got {type(value).__name__}")
+    return value
+
+
 def _nodes(doc: Any) -> dict[str, NodeInfo]:
     if not isinstance(doc, dict):
         raise ValueError("expected a mapping of nodes")
@@ -150,6 +175,7 @@ class Limits:
     max_nodes: int
     last_call: float
     max_restarts: int | None
+    stalled_rounds: int = 5  # free restarts in a row without a training step, then charged
 
 
 @dataclass(frozen=True)
@@ -163,6 +189,7 @@ class View:
     min_reached_for: float | None  # seconds since it saw the open round reach MIN nodes
     reenter_reason: Reason  # why it is back in the rendezvous after ``completed``
     fresh_generation: str  # the id to use if it must start a new generation
+    unreachable: frozenset[str] = frozenset()  # nodes it could not reach (probed, see handler)
 
 
 @dataclass(frozen=True)
@@ -196,13 +223,28 @@ class Closed:
     """The run was closed for good (``set_closed``)."""
 
 
-Decision = Wait | Write | Joined | BudgetSpent | Closed
+@dataclass(frozen=True)
+class Finished:
+    """The job this node belongs to finished (its other nodes' workers completed)."""
+
+    state: RunState
+
+
+@dataclass(frozen=True)
+class Excluded:
+    """The other nodes cannot reach this one; it was left out of the job (``state.excluded``)."""
+
+    state: RunState
+
+
+Decision = Wait | Write | Joined | BudgetSpent | Closed | Finished | Excluded
 
 
 def fresh_state(view: View, round_: int, limits: Limits) -> RunState:
     return RunState(generation=view.fresh_generation, round=round_, phase=Phase.OPEN,
                     members={view.me: view.my_info}, opened_because=Reason.START,
-                    max_restarts=limits.max_restarts, note=f"generation started by {view.me}")
+                    max_restarts=limits.max_restarts, progress_round=round_ - 1,
+                    note=f"generation started by {view.me}")
 
 
 def _without(nodes: Mapping[str, NodeInfo], drop: Iterable[str]) -> dict[str, NodeInfo]:
@@ -220,13 +262,24 @@ def decide(state: RunState | None, view: View, limits: Limits) -> Decision:
         return Write(fresh_state(view, 1, limits))
     if state.status is Status.CLOSED:
         return Closed()
-    others = state.known_nodes() - {view.me}
-    everyone_gone = others <= view.dead
-    if everyone_gone and _is_stranger(state, view) and view.me not in state.members:
-        # Nobody of the old generation is alive: a new job (or a requeued one) starts over.
+    # Who ran in this generation; nodes only waiting to join (other new agents of a
+    # requeued job, say) never did, so they cannot keep it alive.
+    participants = (set(state.members) | set(state.previous) | set(state.order)) - {view.me}
+    stranger = _is_stranger(state, view) and view.me not in state.members
+    if stranger and participants <= view.dead:
+        # Nobody of the old generation is alive: a new job (or a requeued one) starts over,
+        # with a fresh restart budget.
         return Write(fresh_state(view, state.round + 1, limits))
+    if stranger and state.status is Status.BUDGET_SPENT:
+        return Wait()  # the old job's agents are leaving: start over once they are gone
+    if state.status is Status.FINISHED:
+        if _is_stranger(state, view) and view.me not in state.known_nodes():
+            return Write(fresh_state(view, state.round + 1, limits))  # the same id, a new job
+        return Finished(state)
     if state.status is Status.BUDGET_SPENT:
         return BudgetSpent(state)
+    if view.me in state.excluded:
+        return Excluded(state)
     if state.phase is Phase.CLOSED:
         return _decide_closed(state, view)
     return _decide_open(state, view, limits)
@@ -249,7 +302,16 @@ def open_next_round(state: RunState, view: View, reason: Reason) -> RunState:
     return replace(state, round=state.round + 1, phase=Phase.OPEN,
                    members={view.me: view.my_info}, order=(), previous=state.order,
                    waiting=_without(state.waiting, [view.me]), opened_because=reason,
+                   unreachable=_reports(view),
                    note=f"round {state.round + 1} opened by {view.me} ({reason.value})")
+
+
+def _reports(view: View, state: RunState | None = None) -> dict[str, tuple[str, ...]]:
+    """The open round's reports of unreachable nodes with ``view.me``'s added."""
+    reports = dict(state.unreachable) if state is not None else {}
+    if view.unreachable:
+        reports[view.me] = tuple(sorted(view.unreachable))
+    return reports
 
 
 def _decide_open(state: RunState, view: View, limits: Limits) -> Decision:
@@ -262,12 +324,17 @@ def _decide_open(state: RunState, view: View, limits: Limits) -> Decision:
         if len(state.members) < limits.max_nodes:
             return Write(replace(
                 state, members={**state.members, view.me: view.my_info},
-                waiting=_without(state.waiting, [view.me])))
+                waiting=_without(state.waiting, [view.me]),
+                unreachable=_reports(view, state)))
         if view.me not in state.waiting:
             return Write(replace(state, waiting={**state.waiting, view.me: view.my_info}))
         return Wait()
+    # Only nodes that still beat: a dead one is dropped anyway, and may come back.
+    cut_off = {n: by for n, by in unreachable_by_most(state).items() if n not in view.dead}
+    if cut_off and set(state.members) - set(cut_off):
+        return Write(exclude(state, cut_off))
     if should_close(state, view, limits):
-        return Write(close_round(state, view))
+        return Write(close_round(state, view, limits))
     return Wait()
 
 
@@ -281,22 +348,71 @@ def should_close(state: RunState, view: View, limits: Limits) -> bool:
         return True
     if state.opened_because is Reason.START:
         return False  # a fresh job gives late starters the whole last call
-    expected = (set(state.previous) | set(state.waiting)) - view.dead - set(state.members)
+    expected = (set(state.previous) | set(state.waiting)) - view.dead - set(state.members) \
+        - set(state.excluded)
     return not expected
 
 
-def close_round(state: RunState, view: View) -> RunState:
+def unreachable_by_most(state: RunState) -> dict[str, list[str]]:
+    """Nodes of the job that most of the open round's other members could not reach, with
+    who reported them (a node whose workers hang at start may not have rejoined yet).
+    Two reporters at least: with two nodes nobody can tell which side is cut off, and
+    those rounds are bounded by ``Limits.stalled_rounds`` instead."""
+    out: dict[str, list[str]] = {}
+    for node in sorted(state.known_nodes() - set(state.excluded)):
+        others = [n for n in state.members if n != node]
+        reporters = sorted(n for n in others if node in state.unreachable.get(n, ()))
+        if len(reporters) >= 2 and 2 * len(reporters) > len(others):
+            out[node] = reporters
+    return out
+
+
+def stalled_rounds(state: RunState) -> int:
+    """Rounds in a row, up to the one ``state`` opens, that ended before a training step."""
+    return max(0, state.round - 1 - state.progress_round)
+
+
+def exclude(state: RunState, cut_off: Mapping[str, list[str]]) -> RunState:
+    """The open round without the members its others cannot reach, who are told why."""
+    excluded = {**state.excluded, **{node: f"not reachable from {', '.join(by)}, though the "
+                                           "store was" for node, by in cut_off.items()}}
+    return replace(state, members=_without(state.members, cut_off),
+                   waiting=_without(state.waiting, cut_off),
+                   excluded=dict(list(excluded.items())[-64:]),
+                   unreachable={k: v for k, v in state.unreachable.items() if k not in cut_off},
+                   note=f"left {', '.join(sorted(cut_off))} out of round {state.round}: "
+                        + "; ".join(f"{n} {excluded[n]}" for n in sorted(cut_off)))
+
+
+def _unreachable_text(state: RunState) -> str:
+    if not state.unreachable:
+        return ""
+    return "; unreachable: " + ", ".join(f"{k} could not reach {', '.join(v)}"
+                                          for k, v in sorted(state.unreachable.items()))
+
+
+def close_round(state: RunState, view: View, limits: Limits | None = None) -> RunState:
     kept = [n for n in state.previous if n in state.members]
     order = tuple(kept + [n for n in state.members if n not in kept])
     unchanged = bool(state.previous) and set(order) == set(state.previous)
-    charge = int(unchanged and state.opened_because is not Reason.MEMBERSHIP)
+    stalled = stalled_rounds(state)
+    stall_limit = limits.stalled_rounds if limits is not None else None
+    over_stall = stall_limit is not None and bool(state.previous) and stalled > stall_limit
+    charge = int((unchanged and state.opened_because is not Reason.MEMBERSHIP) or over_stall)
     restarts = state.restarts + charge
     waiting = _without(state.waiting, set(order) | view.dead)
+    stall_text = (f"{stalled} rounds in a row ended before a training step "
+                  f"(more than {stall_limit} are charged){_unreachable_text(state)}")
     if state.max_restarts is not None and restarts > state.max_restarts:
+        spent = f"> --max-restarts={state.max_restarts}"
+        note = (f"restart budget spent: {restarts} restarts charged {spent}, the last because "
+                f"{stall_text}" if over_stall else
+                f"restart budget spent: {restarts} worker-failure restarts {spent}")
         return replace(state, status=Status.BUDGET_SPENT, restarts=restarts, waiting=waiting,
-                       note=f"restart budget spent: {restarts} worker-failure restarts "
-                            f"> --max-restarts={state.max_restarts}")
-    if charge:
+                       note=note)
+    if over_stall:
+        what = f"{stall_text}, restart {restarts} charged"
+    elif charge:
         what = f"worker failure, restart {restarts} charged"
     elif not state.previous:
         what = "start"
