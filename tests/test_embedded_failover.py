@@ -23,9 +23,10 @@ from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.local.job import JobSpec, LocalJob, wait_for_step
 from elastic_ext.local.processes import wait_until
 from elastic_ext.net import free_ports
-from elastic_ext.rendezvous import c10d_backend
+from elastic_ext.rendezvous import c10d_placement
 from elastic_ext.rendezvous.backend import STATE_KEY, wrap_state
-from elastic_ext.rendezvous.c10d_backend import C10dBackend, own_entries
+from elastic_ext.rendezvous.c10d_backend import C10dBackend
+from elastic_ext.rendezvous.c10d_placement import own_entries
 from elastic_ext.rendezvous.errors import ConfigError, StoreUnavailableError
 from elastic_ext.rendezvous.liveness import Liveness
 from elastic_ext.rendezvous.settings import Settings, parse_settings
@@ -279,8 +280,8 @@ def plant_store(port: int, raw_state: bytes, term: int) -> TCPStore:
                       multi_tenant=True, timeout=timedelta(seconds=5))
     run: Any = PrefixStore("/elastic-ext/run1/", server)  # the stubs say str values
     run.set(STATE_KEY, wrap_state(b"0123\n" + raw_state))
-    run.set(c10d_backend.TERM_KEY, str(term).encode())
-    run.set(c10d_backend.STORE_ID_KEY, f"planted-{port}".encode())
+    run.set(c10d_placement.TERM_KEY, str(term).encode())
+    run.set(c10d_placement.STORE_ID_KEY, f"planted-{port}".encode())
     return server
 
 
@@ -303,13 +304,13 @@ def test_a_node_that_hosts_gives_way_to_a_store_of_higher_priority_opened_meanwh
         endpoint, monkeypatch) -> None:
     """The bind race: a rival store of the run appears between our search and our bind."""
     rivals: list[TCPStore] = []
-    original = c10d_backend._Placement._host_if_due
+    original = c10d_placement.Placement._host_if_due
 
     def rival_binds_first(self, *args):
         if not rivals:
             rivals.append(plant_store(port_of(endpoint, 2), state(7), term=4))
         return original(self, *args)
-    monkeypatch.setattr(c10d_backend._Placement, "_host_if_due", rival_binds_first)
+    monkeypatch.setattr(c10d_placement.Placement, "_host_if_due", rival_binds_first)
     node = C10dBackend.connect(settings(endpoint, ADDRS[0]))
     placement = node._placement
     assert rivals and placement is not None and (placement.at, placement.term) == (2, 4)

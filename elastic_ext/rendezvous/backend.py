@@ -9,7 +9,7 @@ included. State values carry a magic prefix so garbage in the key is reported, n
 Key layout of a run, relative to ``Settings.run_prefix`` (``<key_prefix>/<run_id>/``):
 ``state`` (the JSON state), ``hb/<node>`` (heartbeats) and the rounds' c10d stores; the
 embedded store with several candidate hosts adds ``store_term`` and ``store_id``
-(``c10d_backend.py``).
+(``c10d_placement.py``).
 """
 
 from __future__ import annotations
