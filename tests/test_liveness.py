@@ -74,3 +74,16 @@ def test_a_heartbeat_key_that_vanishes_is_not_a_sign_of_life():
     clock.now += 0.5
     live.observe({"n": b"2:9"})  # a new value is: the node (or its lease) is back
     assert not live.is_dead("n")
+
+
+def test_a_late_observer_judges_nobody_until_it_has_read_again():
+    clock = Clock()
+    live = watch(clock, {"a": lambda i: b"1"}, steps=4)  # a still for 2 s of observation
+    clock.now += 2.0  # our keeper is late: no read for 2.5 s
+    assert not live.is_dead("a")  # 4 s since it changed, but seen through a stale view
+    live.observe({"a": b"1"})  # reading again after the gap restarts every timer
+    assert not live.is_dead("a")
+    for _ in range(6):
+        clock.now += 0.5
+        live.observe({"a": b"1"})
+    assert live.is_dead("a")  # 3 s of fresh observation

@@ -3,7 +3,9 @@
 A node is dead when its counter has not changed for ``timeout`` seconds of *our*
 observation. Time we could not observe (a failed read, e.g. etcd down or this
 process frozen) does not count against anyone: after such a gap every timer
-restarts, so an etcd outage or a leader election never kills a healthy job.
+restarts, so an etcd outage or a leader election never kills a healthy job. Nor
+does a late observer judge: when our last read is older than half the timeout (a
+keeper delayed by a loaded machine or a long pause), nobody is dead until we read again.
 """
 
 from __future__ import annotations
@@ -56,7 +58,12 @@ class Liveness:
             return False
         if seen.value == LEFT:
             return True
-        return self._clock() - seen.changed_at >= self._timeout
+        now = self._clock()
+        if self._last_read is None or now - self._last_read > self._timeout / 2:
+            # Our own view is stale (a late keeper, a long pause of this process): what we
+            # read last says nothing about the time since, so nobody is judged on it.
+            return False
+        return now - seen.changed_at >= self._timeout
 
     def dead_among(self, nodes: Iterable[str]) -> frozenset[str]:
         return frozenset(n for n in nodes if self.is_dead(n))
