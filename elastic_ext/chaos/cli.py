@@ -107,8 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser, name: str = "chaos") -> None:
                        help="nodes the job starts with and returns to after each fault "
                             "(default 3)")
     group.add_argument("--kinds", metavar="KIND,...",
-                       help="fault kinds to draw from (default all; partition only where "
-                            "network namespaces can be made)")
+                       help="fault kinds to draw from (default all but cut-peers, which "
+                            "`all` adds; partition only where network namespaces can be made)")
     group.add_argument("--recovery-bound", metavar="TIME",
                        help="longest a fault may take to recover, and training may stand "
                             "still (default 2m)")
