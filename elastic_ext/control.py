@@ -133,6 +133,12 @@ class AgentControl:
         signal.signal(signum, record)
         return True
 
+    def record_progress(self) -> None:
+        """What a worker's ``report_progress`` records for the current round, for agents
+        whose workers are simulated (``benchmarks/scale.py``)."""
+        round_ = (self.path / _ROUND_FILE).read_text().strip()
+        _atomic_write(self.path / f"{_PROGRESS}{round_}", "")
+
     def progress_reported(self, round_: int) -> bool:
         """Whether a worker of ``round_`` completed a training step (``report_progress``)."""
         return (self.path / f"{_PROGRESS}{round_}").exists()

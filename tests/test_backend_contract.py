@@ -7,6 +7,7 @@ unknown tokens, and corrupt state; then heartbeats, round stores and run listing
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,6 +20,7 @@ from torch.distributed.elastic.rendezvous import RendezvousStateError
 from elastic_ext.net import free_port, free_ports
 from elastic_ext.rendezvous.backend import STATE_KEY, StoreBackend
 from elastic_ext.rendezvous.c10d_backend import C10dBackend
+from elastic_ext.rendezvous.clock import SystemClock
 from elastic_ext.rendezvous.errors import ConfigError
 from elastic_ext.rendezvous.etcd_backend import EtcdBackend
 from elastic_ext.rendezvous.liveness import LEFT
@@ -239,3 +241,62 @@ def test_list_runs_names_every_run_under_the_prefix(make_backend) -> None:
         return
     assert a.list_runs() == ["job-a", "job-b"] == b.list_runs()
     assert make_backend("job-a", key_prefix="/elsewhere").list_runs() == []
+
+
+# -- join keys, the verdict, waiting on the state (issue 14) ----------------------------
+def test_joins_count_up_in_join_order_and_can_be_dropped(make_backend) -> None:
+    a, b = make_backend(), make_backend()
+    assert a.count_joins("g", 1) == 0 and a.read_joins("g", 1) == []
+    assert a.join("g", 1, "n1", b"e1") == 1
+    assert b.join("g", 1, "n2", b"e2") == 2
+    assert a.join("g", 2, "n3", b"e3") == 1  # another round: its own keys
+    assert b.read_joins("g", 1) == [("n1", b"e1"), ("n2", b"e2")]
+    assert b.count_joins("g", 1) >= 2
+    a.drop_joins("g", 1, ["n1"])
+    assert b.read_joins("g", 1) == [("n2", b"e2")]
+    assert a.read_joins("g", 2) == [("n3", b"e3")]
+
+
+def test_the_verdict_is_the_last_one_written(make_backend) -> None:
+    a, b = make_backend(), make_backend()
+    assert a.read_verdict() is None
+    a.write_verdict(b"v1")
+    b.write_verdict(b"v2")
+    assert a.read_verdict() == b"v2"
+
+
+def test_the_state_version_changes_with_every_write_and_a_write_wakes_a_waiter(
+        make_backend) -> None:
+    a, b = make_backend(), make_backend()
+    _, token, _ = set_state(a, b"x")
+    version = a.state_version()
+    assert a.state_version() == version
+    _, token = a.get_state()
+    clock = SystemClock()
+    began = clock.monotonic()
+    assert not a.wait_for_state(token, 0.3, clock)  # nothing changes: it waits it out
+    assert clock.monotonic() - began >= 0.25
+    timer = threading.Timer(0.2, lambda: set_state(b, b"y", token))
+    timer.start()
+    began = clock.monotonic()
+    assert a.wait_for_state(token, 10.0, clock)
+    timer.join()
+    assert clock.monotonic() - began < 5.0 and a.state_version() != version
+    set_state(b, b"z", a.get_state()[1])
+    assert a.wait_for_state(token, 10.0, clock)  # changed before the wait began: at once
+
+
+def test_a_keeper_read_beats_and_reads_what_a_keeper_needs(make_backend) -> None:
+    a, b = make_backend(), make_backend()
+    b.beat("other", 4242)
+    set_state(a, b"x")
+    b.write_verdict(b"v")
+    read = a.keeper_read("me", 4343, ["other", "nobody"])
+    assert read.state_version == a.state_version() and read.verdict == b"v"
+    assert read.beats["nobody"] is None and read.beats["other"] is not None
+    assert b.read_beats(["me"])["me"] is not None
+    many = [f"n{i}" for i in range(12)]  # past the few-keys path
+    for n in many[:6]:
+        b.beat(n)
+    beats = a.keeper_read("me", None, many).beats
+    assert [n for n in many if beats[n] is not None] == many[:6]

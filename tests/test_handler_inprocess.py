@@ -36,6 +36,7 @@ from elastic_ext.rendezvous.errors import (
 )
 from elastic_ext.rendezvous.handler import EtcdExtRendezvousHandler
 from elastic_ext.rendezvous.keeper import Keeper
+from elastic_ext.rendezvous.liveness import Verdict
 from elastic_ext.rendezvous.presence import PresenceListener
 from elastic_ext.rendezvous.state import NodeInfo, Phase, Reason, RunState, Status
 from tests.support.memory_backend import MemoryBackend, MemoryStore
@@ -106,6 +107,10 @@ class Lab:
         current = self.peer.get_state()
         result = self.peer.set_state(state.to_bytes(), current[1] if current else None)
         assert result is not None and result[2]
+
+    def publish_verdict(self, by: str, dead: set[str], generation: str = "gen0") -> None:
+        """Play the node that watches everyone (``joins.closer_of``) judging ``dead``."""
+        self.peer.write_verdict(Verdict(by, generation, frozenset(dead)).to_bytes())
 
     def advance(self, seconds: float, beating: tuple[str, ...] = ()) -> None:
         """Let ``seconds`` pass in keeper ticks of half a second, ``beating`` peers alive."""
@@ -327,7 +332,10 @@ def test_a_dead_peer_is_reported_to_the_workers_even_after_a_newer_round_came_fi
                                       members={"peer": current.members["peer"]}))
     lab.advance(0.5, beating=("peer",))  # the peer opened a round before we judged
     assert "replaced" in lab.keeper.pressure.why and not peer_lost()
-    lab.advance(3.0, beating=("peer",))  # now our own clock finds "frozen" dead
+    lab.advance(3.0, beating=("peer",))
+    assert not peer_lost()  # "peer" watches everyone: we go by its verdict
+    lab.publish_verdict("peer", {"frozen"})  # its clock finds "frozen" dead
+    lab.advance(0.5, beating=("peer",))
     assert peer_lost()
     lab.clock.on_sleep.append(lambda: lab.peer.beat("peer"))
     lab.handler.next_rendezvous()  # the round without "frozen"
@@ -539,15 +547,25 @@ def test_an_agent_whose_workers_failed_does_not_mark_the_run_finished(make_lab) 
 def test_the_first_training_step_of_a_round_is_recorded_in_the_run(
         make_lab, monkeypatch: pytest.MonkeyPatch) -> None:
     lab = make_lab(nnodes=(1, 2))
-    join_with_peer(lab)
+    assert lab.handler.next_rendezvous().rank == 0  # rank 0 records it: one write a round
     assert lab.state().progress_round == 0
-    lab.advance(1.0, beating=("peer",))
+    lab.advance(1.0)
     assert lab.state().progress_round == 0 and not lab.keeper.round_progressed()
     monkeypatch.setenv(CONTROL_DIR_ENV, str(lab.control.path))
     report_progress()
-    lab.advance(0.5, beating=("peer",))
+    lab.advance(0.5)
     assert lab.state().progress_round == 1 and lab.keeper.round_progressed()
     assert lab.handler.num_nodes_waiting() == 0  # recording it is no reason to restart
+
+
+def test_only_rank_0_writes_the_rounds_progress(make_lab, monkeypatch: pytest.MonkeyPatch
+                                               ) -> None:
+    lab = make_lab(nnodes=(1, 2))
+    join_with_peer(lab)  # "peer" is rank 0
+    monkeypatch.setenv(CONTROL_DIR_ENV, str(lab.control.path))
+    report_progress()
+    lab.advance(1.0, beating=("peer",))
+    assert lab.keeper.round_progressed() and lab.state().progress_round == 0
 
 
 def test_a_node_left_out_by_the_others_stops_with_the_reason(make_lab) -> None:
@@ -561,3 +579,26 @@ def test_a_node_left_out_by_the_others_stops_with_the_reason(make_lab) -> None:
                                                 ".*check the network between the nodes"):
         lab.handler.next_rendezvous()
     assert lab.events("excluded")
+
+
+@pytest.mark.timeout(30)  # without the fix the handler spins without sleeping
+def test_a_node_whose_join_was_dropped_joins_the_round_again(make_lab) -> None:
+    # The closer judged us dead (a freeze) and deleted our join key; once it sees the
+    # whole round without us, this node must write its key again, not wait for ever.
+    lab = make_lab(nnodes=(2, 3))  # our join does not fill the round: the closer decides
+    lab.peer.beat("peer")
+    opened = dataclasses.replace(closed_round(("peer",)), phase=Phase.OPEN, order=())
+    lab.put_state(opened)
+    dropped: list[bool] = []
+
+    def play_the_closer() -> None:
+        lab.peer.beat("peer")
+        joins = [n for n, _ in lab.peer.read_joins("gen0", 1)]
+        if ME in joins and not dropped:
+            lab.peer.drop_joins("gen0", 1, [ME])  # judged dead: dropped
+            dropped.append(True)
+        elif ME in joins:
+            lab.put_state(closed_round(("peer", ME)))  # back: the closer closes with us
+    lab.clock.on_sleep.append(play_the_closer)
+    info = lab.handler.next_rendezvous()
+    assert dropped and (info.rank, info.world_size) == (1, 2)

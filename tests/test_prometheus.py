@@ -68,7 +68,7 @@ def test_an_agent_serves_its_round_budget_and_store_requests(agent) -> None:
     assert value(samples, "elastic_ext_restarts_used", run_id="prom") == 0
     assert value(samples, "elastic_ext_restarts_left", run_id="prom") == float("inf")
     assert value(samples, "elastic_ext_last_round_close_timestamp_seconds", run_id="prom") > 0
-    for operation in ("get_state", "set_state", "beat", "read_beats"):
+    for operation in ("get_state", "set_state", "beat", "keeper_read"):
         assert value(samples, "elastic_ext_store_request_duration_seconds_count",
                      run_id="prom", operation=operation) >= 1
 

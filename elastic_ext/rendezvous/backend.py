@@ -7,20 +7,24 @@ tests (``tests/test_backend_contract.py``) run on every store, the in-memory tes
 included. State values carry a magic prefix so garbage in the key is reported, not parsed.
 
 Key layout of a run, relative to ``Settings.run_prefix`` (``<key_prefix>/<run_id>/``):
-``state`` (the JSON state), ``hb/<node>`` (heartbeats) and the rounds' c10d stores; the
-embedded store with several candidate hosts adds ``store_term`` and ``store_id``
-(``c10d_placement.py``).
+``state`` (the JSON state), ``hb/<node>`` (heartbeats), ``join/<generation>/<round>/``
+(the open round's join keys, ``joins.py``), ``verdict`` (the watching node's judgement
+of the others, ``keeper.py``) and the rounds' c10d stores; the embedded store with
+several candidate hosts adds ``store_term`` and ``store_id`` (``c10d_placement.py``).
 """
 
 from __future__ import annotations
 
 import time
+import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed import Store
 
+from elastic_ext.rendezvous.clock import Clock
 from elastic_ext.rendezvous.errors import CorruptStateError
 
 Token = Any
@@ -28,19 +32,39 @@ Token = Any
 
 STATE_KEY = "state"
 STATE_MAGIC = b"elastic-ext/1\n"
+STATE_MAGIC_ZLIB = b"elastic-ext/1z\n"  # the same, compressed: at 1,024 nodes 28 KB, not 65
+_COMPRESS_FROM = 4096
+_MAX_UNWRAPPED = 1 << 20  # state.MAX_STATE_BYTES: more is refused before it is parsed
 
 
 def wrap_state(state: bytes) -> bytes:
-    return STATE_MAGIC + state
+    """The state as stored: a magic prefix, then the state, zlib-compressed when large
+    (every agent receives it at every change: bytes through the store's gateway)."""
+    if len(state) < _COMPRESS_FROM:
+        return STATE_MAGIC + state
+    return STATE_MAGIC_ZLIB + zlib.compress(state, 1)
 
 
 def unwrap_state(raw: bytes) -> bytes:
-    if not raw.startswith(STATE_MAGIC):
-        raise CorruptStateError(
-            "the run's state key holds data etcd-ext did not write; another program uses this "
-            "key prefix, or the value was tampered with. Use another --rdzv-id or key_prefix, "
-            "or delete the key")
-    return raw[len(STATE_MAGIC):]
+    """Raises CorruptStateError for anything ``wrap_state`` did not make (never more than
+    1 MiB is decompressed)."""
+    if raw.startswith(STATE_MAGIC):
+        return raw[len(STATE_MAGIC):]
+    if raw.startswith(STATE_MAGIC_ZLIB):
+        inflate = zlib.decompressobj()
+        try:
+            state = inflate.decompress(raw[len(STATE_MAGIC_ZLIB):], _MAX_UNWRAPPED + 1)
+        except zlib.error as exc:
+            raise CorruptStateError(f"the run's state key holds a damaged compressed state "
+                                    f"({exc}); delete the key or use another --rdzv-id") from exc
+        if len(state) > _MAX_UNWRAPPED or not inflate.eof:
+            raise CorruptStateError("the run's state key holds a state over the 1 MiB limit; "
+                                    "delete the key or use another --rdzv-id")
+        return state
+    raise CorruptStateError(
+        "the run's state key holds data etcd-ext did not write; another program uses this "
+        "key prefix, or the value was tampered with. Use another --rdzv-id or key_prefix, "
+        "or delete the key")
 
 
 def heartbeat_value(counter: int, presence_port: int | None = None) -> bytes:
@@ -66,6 +90,19 @@ def presence_port_of(value: bytes | None) -> int | None:
     if len(parts) != 3 or not parts[2].isdigit() or not 0 < int(parts[2]) < 65536:
         return None
     return int(parts[2])
+
+
+STATE_POLL_S = 0.05
+"""How often ``StoreBackend.wait_for_state`` looks at a store that cannot notify."""
+
+
+@dataclass(frozen=True)
+class KeeperRead:
+    """What a keeper reads each tick: the state's version, some heartbeats, the verdict."""
+
+    state_version: object | None
+    beats: dict[str, bytes | None]
+    verdict: bytes | None
 
 
 class StoreBackend(ABC):
@@ -119,6 +156,66 @@ class StoreBackend(ABC):
         Raises:
             CorruptStateError: the state key holds something etcd-ext did not write.
         """
+
+    @abstractmethod
+    def state_version(self) -> object | None:
+        """A value that changes whenever the state is written, read without the state
+        itself (a few bytes, whatever the job's size); None when the run has no state.
+        Only compared with other values of this method, never used as a token."""
+
+    def wait_for_state(self, token: Token | None, timeout: float, clock: Clock
+                       ) -> bool | tuple[bytes, Token]:
+        """Wait until the state's token differs from ``token`` (what ``get_state`` or
+        ``set_state`` gave; None: there was no state): then the new state and its token
+        when the wait brought them along (etcd's watch events do), else True; False after
+        about ``timeout`` seconds of ``clock``. Stores that notify (etcd) wake at the
+        change; this default reads the state every ``STATE_POLL_S``. Never raises for an
+        unreachable store: it returns True and the caller's next read reports it."""
+        deadline = clock.monotonic() + timeout
+        while True:
+            try:
+                current = self.get_state()
+            except Exception:  # the caller's next read says what is wrong
+                return True
+            if (current[1] if current is not None else None) != token:
+                return True
+            if clock.monotonic() >= deadline:
+                return False
+            clock.sleep(min(STATE_POLL_S, max(0.0, deadline - clock.monotonic())))
+
+    @abstractmethod
+    def join(self, generation: str, round_: int, node: str, entry: bytes) -> int:
+        """Write ``node``'s join entry (``joins.JoinEntry``) under the open round: one
+        write, whatever the job's size; writing it again replaces it. Returns how many
+        nodes have joined the round so far, this one included."""
+
+    @abstractmethod
+    def count_joins(self, generation: str, round_: int) -> int:
+        """How many join entries the round has, read without them (a few bytes)."""
+
+    @abstractmethod
+    def read_joins(self, generation: str, round_: int) -> list[tuple[str, bytes]]:
+        """The round's join entries as (node, entry), in the order the nodes joined."""
+
+    @abstractmethod
+    def drop_joins(self, generation: str, round_: int, nodes: Iterable[str]) -> None:
+        """Delete ``nodes``' join entries of the round (dead or left out of it)."""
+
+    @abstractmethod
+    def write_verdict(self, verdict: bytes) -> None:
+        """Store the watching node's verdict (``keeper.Verdict``), replacing the last."""
+
+    @abstractmethod
+    def read_verdict(self) -> bytes | None:
+        """The last verdict written, or None."""
+
+    def keeper_read(self, node: str, presence_port: int | None,
+                    watched: Sequence[str]) -> KeeperRead:
+        """One keeper tick's store work: ``beat``, then read ``state_version``, the
+        heartbeats of ``watched`` and the verdict. Stores that can do it in one round trip
+        (etcd's transactions) override it."""
+        self.beat(node, presence_port)
+        return KeeperRead(self.state_version(), self.read_beats(watched), self.read_verdict())
 
     @abstractmethod
     def beat(self, node: str, presence_port: int | None = None) -> None:

@@ -23,6 +23,7 @@ from torch.distributed import PrefixStore, Store, TCPStore
 
 from elastic_ext.rendezvous.backend import (
     STATE_KEY,
+    STATE_POLL_S,
     StoreBackend,
     Token,
     heartbeat_value,
@@ -36,6 +37,7 @@ from elastic_ext.rendezvous.c10d_placement import (
     decode_state,
     read_key,
 )
+from elastic_ext.rendezvous.clock import Clock
 from elastic_ext.rendezvous.errors import ConfigError, StoreUnavailableError
 from elastic_ext.rendezvous.liveness import LEFT
 from elastic_ext.rendezvous.settings import Endpoint, Settings
@@ -44,6 +46,8 @@ from elastic_ext.rendezvous.state import RunState
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+_STATE_SEQ = "state_seq"  # counts state writes, so waiters need not read the state
 
 
 class C10dBackend(StoreBackend):
@@ -61,6 +65,7 @@ class C10dBackend(StoreBackend):
         self._epoch = placement.epoch if placement is not None else 0
         self._hosts_store = hosts_store
         self._beats = 0
+        self._seq_at: tuple[bytes, int] = (b"", -1)  # a state read and the write count before it
         self._attach(store)
 
     def _attach(self, store: TCPStore) -> None:
@@ -153,13 +158,31 @@ class C10dBackend(StoreBackend):
 
     def get_state(self) -> tuple[bytes, Token] | None:
         def read() -> tuple[bytes, Token] | None:
+            seq = self._store.add(_STATE_SEQ, 0)  # before the state: a write after bumps it
             raw = read_key(self._store, STATE_KEY)
             if raw is None:
                 return None
             state = decode_state(raw)
             self._saw(raw)
+            self._seq_at = (raw, seq)
             return state, raw
         return self._run("get_state", read)
+
+    def wait_for_state(self, token: Token | None, timeout: float, clock: Clock
+                       ) -> bool | tuple[bytes, Token]:
+        """Looks at the counter of state writes every ``STATE_POLL_S``, not the state."""
+        if token is None or self._seq_at[0] != token:
+            return super().wait_for_state(token, timeout, clock)  # reads the state itself
+        seq = self._seq_at[1]
+        deadline = clock.monotonic() + timeout
+        while clock.monotonic() < deadline:
+            try:
+                if self._run("state_version", lambda: self._store.add(_STATE_SEQ, 0)) != seq:
+                    return True
+            except StoreUnavailableError:
+                return True
+            clock.sleep(min(STATE_POLL_S, max(0.0, deadline - clock.monotonic())))
+        return False
 
     def set_state(self, state: bytes, token: Token | None = None
                   ) -> tuple[bytes, Token, bool] | None:
@@ -172,6 +195,7 @@ class C10dBackend(StoreBackend):
             result = bytes(self._store.compare_set(STATE_KEY, token or b"", new_raw))
             if result == new_raw:
                 self._saw(new_raw)
+                self._seq_at = (new_raw, self._store.add(_STATE_SEQ, 1))  # wakes waiters
                 return state, new_raw, True
             if token and result == token and not self._store.check([STATE_KEY]):
                 return None  # the key vanished; compare_set echoes the expected value
@@ -179,6 +203,67 @@ class C10dBackend(StoreBackend):
             self._saw(result)
             return decoded, result, False
         return self._run("set_state", write)
+
+    def state_version(self) -> object | None:
+        return self._run("state_version", lambda: self._store.add(_STATE_SEQ, 0))
+
+    def join(self, generation: str, round_: int, node: str, entry: bytes) -> int:
+        # A TCPStore cannot list keys: joins are numbered by an atomic counter.
+        prefix = f"join/{generation}/{round_}/"
+
+        def write() -> int:
+            position = self._store.add(prefix + "n", 1)
+            self._store.set(f"{prefix}{position}", node.encode() + b"\n" + entry)
+            return position
+        return self._run("join", write)
+
+    def _numbered_joins(self, generation: str, round_: int) -> list[tuple[str, str, bytes]]:
+        """(key, node, entry) of every join of the round, in order; a node that joined
+        twice keeps its first place and its last entry."""
+        prefix = f"join/{generation}/{round_}/"
+
+        def read() -> list[tuple[str, bytes]]:
+            count = self._store.add(prefix + "n", 0)
+            keys = [f"{prefix}{i}" for i in range(1, count + 1)]
+            if keys and self._store.check(keys):
+                return [(k, bytes(v)) for k, v in zip(keys, self._store.multi_get(keys),
+                                                      strict=True)]
+            # a joiner between its count and its entry: read what is there, never wait
+            return [(k, v) for k in keys if (v := read_key(self._store, k)) is not None]
+        places: dict[str, tuple[str, bytes]] = {}
+        for key, raw in self._run("read_joins", read):
+            node, _, entry = raw.partition(b"\n")
+            if entry:  # an emptied entry is a dropped join
+                name = node.decode(errors="replace")
+                places[name] = (places[name][0] if name in places else key, entry)
+        return [(key, node, entry) for node, (key, entry) in places.items()]
+
+    def count_joins(self, generation: str, round_: int) -> int:
+        # joins numbered, dropped ones included: enough to see whether the round moves
+        return self._run("count_joins",
+                         lambda: self._store.add(f"join/{generation}/{round_}/n", 0))
+
+    def read_joins(self, generation: str, round_: int) -> list[tuple[str, bytes]]:
+        return [(node, entry) for _, node, entry in self._numbered_joins(generation, round_)]
+
+    def drop_joins(self, generation: str, round_: int, nodes: Iterable[str]) -> None:
+        dropped = set(nodes)
+        prefix = f"join/{generation}/{round_}/"
+
+        def empty() -> None:
+            count = self._store.add(prefix + "n", 0)
+            for i in range(1, count + 1):
+                raw = read_key(self._store, f"{prefix}{i}")
+                if raw is not None and raw.partition(b"\n")[0].decode(errors="replace") \
+                        in dropped:
+                    self._store.set(f"{prefix}{i}", b"")
+        self._run("drop_joins", empty)
+
+    def write_verdict(self, verdict: bytes) -> None:
+        self._run("write_verdict", lambda: self._store.set("verdict", verdict))
+
+    def read_verdict(self) -> bytes | None:
+        return self._run("read_verdict", lambda: read_key(self._store, "verdict"))
 
     def beat(self, node: str, presence_port: int | None = None) -> None:
         self._beats += 1

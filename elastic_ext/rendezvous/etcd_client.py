@@ -1,30 +1,29 @@
-"""A small etcd v3 client over etcd's HTTP/JSON gateway, built on ``etcd3gw``.
+"""A small etcd v3 client over etcd's HTTP/JSON gateway.
 
-Why etcd3gw: it is maintained, speaks the v3 API through the gateway that etcd
-3.4+ serves by default, and has no grpcio/protobuf dependency (protobuf pins are
-what broke the old ``etcd3`` package). What it lacks is added here: rotation
-over several endpoints, user/password auth with re-login when the token expires,
-TLS through our own ``requests`` session (``trust_env=False`` so a machine-wide
-``REQUESTS_CA_BUNDLE`` cannot override the CA), and the two transactions the
-rendezvous needs. This is the only module that imports etcd3gw, so the client
-library can be swapped here alone.
+Why the gateway: etcd 3.4+ serves it by default, and speaking it needs no
+grpcio/protobuf, whose pins break ML stacks (and broke the old ``etcd3`` package).
+Unary calls go through ``etcd_http`` (``http.client``, kept alive per thread: cheap
+enough for every keeper's two calls a second at 1,024 agents); the version probe and
+watch streams through ``requests``. Added here: rotation over several endpoints,
+user/password auth with re-login when the token expires, TLS from our own settings
+(never a machine-wide CA bundle), and the transactions the rendezvous needs.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import requests
-from etcd3gw import exceptions as gw_errors
-from etcd3gw.client import Etcd3Client
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from elastic_ext.rendezvous.errors import ConfigError, StoreAuthError, StoreUnavailableError
+from elastic_ext.rendezvous.etcd_http import ConnectionFailed, GatewayConnections, TlsFailed
 from elastic_ext.rendezvous.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -56,6 +55,43 @@ class KeyValue:
     key: bytes
     value: bytes
     mod_revision: int
+    create_revision: int = 0
+
+    @classmethod
+    def from_reply(cls, kv: dict[str, Any]) -> KeyValue:
+        return cls(_unb64(kv["key"]), _unb64(kv.get("value", "")), int(kv["mod_revision"]),
+                   int(kv.get("create_revision", 0)))
+
+
+def op_put(key: str, value: bytes, lease: int | None = None) -> dict[str, Any]:
+    """A put inside a transaction (``EtcdClient.txn``)."""
+    put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+    if lease:
+        put["lease"] = str(lease)
+    return {"request_put": put}
+
+
+def op_range(key: str, *, prefix: bool = False, keys_only: bool = False,
+             count_only: bool = False) -> dict[str, Any]:
+    """A read inside a transaction: one key, or every key under ``key`` with ``prefix``."""
+    request: dict[str, Any] = {"key": _b64(key)}
+    if prefix:
+        request["range_end"] = _b64(_prefix_end(key.encode()))
+    if keys_only:
+        request["keys_only"] = True
+    if count_only:
+        request["count_only"] = True
+    return {"request_range": request}
+
+
+def op_delete(key: str) -> dict[str, Any]:
+    return {"request_delete_range": {"key": _b64(key)}}
+
+
+def range_reply(response: dict[str, Any]) -> tuple[list[KeyValue], int]:
+    """The keys and the count of one read's answer inside a transaction's reply."""
+    reply = response.get("response_range") or {}
+    return [KeyValue.from_reply(kv) for kv in reply.get("kvs") or []], int(reply.get("count", 0))
 
 
 class _Transient(Exception):
@@ -66,11 +102,15 @@ class _TokenExpired(Exception):
     pass
 
 
+_TRANSIENT_STATUS = {408, 500, 503, 504}  # timeouts, an unavailable or failing member
+
+
 class EtcdClient:
-    """Thread-safe: each thread gets its own ``requests`` session."""
+    """Thread-safe: each thread gets its own connections and ``requests`` session."""
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
+        self._gateway = GatewayConnections(settings)
         self._lock = threading.Lock()
         self._current = 0  # index of the endpoint that answered last
         self._token: str | None = None
@@ -89,53 +129,45 @@ class EtcdClient:
             self._local.session = session
         return session
 
-    def _client(self, index: int) -> Etcd3Client:
-        ep = self._settings.endpoints[index]
-        return Etcd3Client(host=ep.host, port=ep.port, protocol=self._settings.scheme,
-                           timeout=self._settings.timeouts.request, session=self._session(),
-                           api_path="/v3/")
-
     def _post_once(self, index: int, path: str, payload: dict[str, Any],
                    auth: bool = True) -> dict[str, Any]:
-        client = self._client(index)
-        session = client.session
-        session.headers.pop("Authorization", None)
-        if auth and self._token:
-            session.headers["Authorization"] = self._token
         endpoint = self._settings.endpoints[index]
         try:
-            return client.post(client.get_url(path), json=payload)
-        except (gw_errors.ConnectionFailedError, gw_errors.ConnectionTimeoutError,
-                gw_errors.InternalServerError) as exc:
-            raise _Transient(f"{endpoint}: {exc}") from exc
-        except gw_errors.Etcd3Exception as exc:
-            detail = str(getattr(exc, "detail_text", "") or exc)
-            if "invalid auth token" in detail or "auth: revision" in detail:
-                raise _TokenExpired(detail) from exc
-            if "permission denied" in detail or "authentication failed" in detail \
-                    or "user name is empty" in detail or "user name not found" in detail:
-                raise StoreAuthError(
-                    f"etcd at {endpoint} refused the request ({detail.strip()}); check "
-                    "--rdzv-conf user / password_env / password_file and that the user's "
-                    "role may read and write the run's key prefix") from exc
-            if "etcdserver: request timed out" in detail or "leader changed" in detail \
-                    or "no leader" in detail:
-                raise _Transient(f"{endpoint}: {detail}") from exc
-            if "404 page not found" in detail:
-                raise StoreUnavailableError(
-                    f"etcd at {endpoint} does not serve the v3 API's HTTP gateway ({path}: 404). "
-                    "etcd-ext needs etcd >= 3.4 with its gRPC gateway enabled (the default; "
-                    "check for --enable-grpc-gateway=false)") from exc
-            raise StoreUnavailableError(f"etcd at {endpoint} answered {detail.strip()}") from exc
-        except requests.exceptions.SSLError as exc:
+            reply = self._gateway.post(endpoint, path, payload,
+                                       self._token if auth else None)
+        except TlsFailed as exc:
             raise StoreAuthError(f"TLS handshake with etcd at {endpoint} failed ({exc}); check "
                                  "--rdzv-conf cacert / cert / key") from exc
-        except requests.exceptions.RequestException as exc:
+        except ConnectionFailed as exc:
             raise _Transient(f"{endpoint}: {exc}") from exc
-        except ValueError as exc:  # not JSON: not an etcd gateway
+        if reply.status == 200:
+            try:
+                return reply.json()
+            except ValueError as exc:  # not JSON: not an etcd gateway
+                raise StoreUnavailableError(
+                    f"{endpoint} did not answer like etcd's v3 gateway ({exc}); is this an "
+                    "etcd >= 3.4 client URL?") from exc
+        detail = reply.body.decode(errors="replace")
+        if reply.status in _TRANSIENT_STATUS:
+            raise _Transient(f"{endpoint}: HTTP {reply.status} {detail.strip()}")
+        if "invalid auth token" in detail or "auth: revision" in detail:
+            raise _TokenExpired(detail)
+        if "permission denied" in detail or "authentication failed" in detail \
+                or "user name is empty" in detail or "user name not found" in detail:
+            raise StoreAuthError(
+                f"etcd at {endpoint} refused the request ({detail.strip()}); check "
+                "--rdzv-conf user / password_env / password_file and that the user's "
+                "role may read and write the run's key prefix")
+        if "etcdserver: request timed out" in detail or "leader changed" in detail \
+                or "no leader" in detail:
+            raise _Transient(f"{endpoint}: {detail}")
+        if "404 page not found" in detail:
             raise StoreUnavailableError(
-                f"{endpoint} did not answer like etcd's v3 gateway ({exc}); is this an etcd "
-                ">= 3.4 client URL?") from exc
+                f"etcd at {endpoint} does not serve the v3 API's HTTP gateway ({path}: 404). "
+                "etcd-ext needs etcd >= 3.4 with its gRPC gateway enabled (the default; "
+                "check for --enable-grpc-gateway=false)")
+        raise StoreUnavailableError(f"etcd at {endpoint} answered HTTP {reply.status} "
+                                    f"{detail.strip()}")
 
     def _authenticate(self, index: int) -> None:
         if not self._settings.user:
@@ -214,14 +246,12 @@ class EtcdClient:
         kvs = reply.get("kvs") or []
         if not kvs:
             return None
-        kv = kvs[0]
-        return KeyValue(_unb64(kv["key"]), _unb64(kv.get("value", "")), int(kv["mod_revision"]))
+        return KeyValue.from_reply(kvs[0])
 
     def get_prefix(self, prefix: str) -> list[KeyValue]:
         raw = prefix.encode()
         reply = self.call("/kv/range", {"key": _b64(raw), "range_end": _b64(_prefix_end(raw))})
-        return [KeyValue(_unb64(kv["key"]), _unb64(kv.get("value", "")), int(kv["mod_revision"]))
-                for kv in reply.get("kvs") or []]
+        return [KeyValue.from_reply(kv) for kv in reply.get("kvs") or []]
 
     def put(self, key: str, value: bytes, lease: int | None = None) -> int:
         payload: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
@@ -259,9 +289,7 @@ class EtcdClient:
         for response in reply.get("responses") or []:
             kvs = (response.get("response_range") or {}).get("kvs") or []
             if kvs:
-                kv = kvs[0]
-                return False, KeyValue(_unb64(kv["key"]), _unb64(kv.get("value", "")),
-                                       int(kv["mod_revision"]))
+                return False, KeyValue.from_reply(kvs[0])
         return False, None
 
     def add(self, key: str, amount: int) -> int:
@@ -281,14 +309,67 @@ class EtcdClient:
         reply = self.call("/kv/txn", txn)
         out: list[KeyValue | None] = []
         for response in reply.get("responses") or []:
-            kvs = (response.get("response_range") or {}).get("kvs") or []
-            out.append(KeyValue(_unb64(kvs[0]["key"]), _unb64(kvs[0].get("value", "")),
-                                int(kvs[0]["mod_revision"])) if kvs else None)
+            kvs, _ = range_reply(response)
+            out.append(kvs[0] if kvs else None)
         return out
 
     def multi_put(self, items: Sequence[tuple[str, bytes]]) -> None:
         txn = {"success": [{"request_put": {"key": _b64(k), "value": _b64(v)}} for k, v in items]}
         self.call("/kv/txn", txn)
+
+    def txn(self, operations: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Run ``operations`` (``op_put``, ``op_range``, ``op_delete``) in one transaction,
+        atomically and in one round trip; their replies, in order."""
+        if not operations:
+            return []
+        reply = self.call("/kv/txn", {"success": list(operations)})
+        return list(reply.get("responses") or [])
+
+    def revision_of(self, key: str) -> int | None:
+        """The key's ``mod_revision`` without its value; None if it does not exist."""
+        reply = self.call("/kv/range", {"key": _b64(key), "keys_only": True})
+        kvs = reply.get("kvs") or []
+        return int(kvs[0]["mod_revision"]) if kvs else None
+
+    def get_with_revision(self, key: str) -> tuple[KeyValue | None, int]:
+        """The key (None if absent) and the store's revision when it was read."""
+        reply = self.call("/kv/range", {"key": _b64(key)})
+        kvs = reply.get("kvs") or []
+        return (KeyValue.from_reply(kvs[0]) if kvs else None), int(reply["header"]["revision"])
+
+    def watch(self, key: str, start_revision: int, idle_timeout: float,
+              stop: threading.Event) -> Iterator[tuple[int, KeyValue | None]]:
+        """Each change of ``key`` from ``start_revision`` on, as (its revision, the key, or
+        None when it was deleted), through one watch stream of the gateway. Ends when the
+        stream ends, nothing came for ``idle_timeout`` seconds, or ``stop`` is set.
+
+        Raises:
+            StoreUnavailableError: the watch could not be opened or broke.
+        """
+        endpoint = self._settings.endpoints[self._current]
+        payload = {"create_request": {"key": _b64(key), "start_revision": str(start_revision)}}
+        headers = {"Authorization": self._token} if self._token else {}
+        url = f"{self._settings.scheme}://{endpoint}/v3/watch"
+        try:
+            with self._session().post(url, json=payload, headers=headers, stream=True,
+                                      timeout=(self._settings.timeouts.request,
+                                               idle_timeout)) as reply:
+                # chunk_size=None: each line as soon as it arrives (the stubs omit None)
+                for line in reply.iter_lines(chunk_size=None):  # type: ignore[call-overload]
+                    if stop.is_set():
+                        return
+                    if not line:
+                        continue
+                    result = json.loads(line).get("result") or {}
+                    if result.get("canceled") or result.get("compact_revision"):
+                        return  # the caller reads the key again and watches anew
+                    for event in result.get("events") or []:
+                        kv = KeyValue.from_reply(event["kv"])
+                        yield kv.mod_revision, None if event.get("type") == "DELETE" else kv
+        except requests.exceptions.ReadTimeout:
+            return
+        except (requests.exceptions.RequestException, ValueError, KeyError, TypeError) as exc:
+            raise StoreUnavailableError(f"watch of {key} at {endpoint} failed: {exc}") from exc
 
     def lease_grant(self, ttl: int) -> int:
         return int(self.call("/lease/grant", {"TTL": str(ttl), "ID": "0"})["ID"])

@@ -1,7 +1,9 @@
 """The ``etcd-ext`` rendezvous handler torch's elastic agent drives.
 
 Each call to ``next_rendezvous`` runs the pure ``decide`` over the run's state until
-this node is in a closed round; the keeper thread (``keeper.py``) tells torch's agent,
+this node is in a closed round. In an open round only its closer decides on every join
+(``joins.py``); the others join with one key write and wait on the state (a watch on
+etcd). The keeper thread (``keeper.py``) tells torch's agent,
 through ``num_nodes_waiting``, when to leave it. The store is reached only through
 the ``StoreBackend`` contract, and time only through the injected ``Clock``, so the
 whole handler runs in-process against an in-memory backend in the fast tests.
@@ -29,7 +31,7 @@ from torch.distributed.elastic.rendezvous.api import (
 
 from elastic_ext.control import AgentControl
 from elastic_ext.net import free_port
-from elastic_ext.rendezvous.backend import StoreBackend, Token
+from elastic_ext.rendezvous.backend import StoreBackend, Token, presence_port_of
 from elastic_ext.rendezvous.clock import SYSTEM_CLOCK, Clock
 from elastic_ext.rendezvous.errors import (
     JobFinishedError,
@@ -38,6 +40,13 @@ from elastic_ext.rendezvous.errors import (
     StoreUnavailableError,
 )
 from elastic_ext.rendezvous.events import EventKind, EventLog
+from elastic_ext.rendezvous.joins import (
+    JoinEntry,
+    closer_of,
+    is_own_join,
+    removed_members,
+    with_joins,
+)
 from elastic_ext.rendezvous.keeper import Keeper
 from elastic_ext.rendezvous.liveness import LEFT
 from elastic_ext.rendezvous.prometheus import AgentMetrics
@@ -45,6 +54,7 @@ from elastic_ext.rendezvous.settings import Settings
 from elastic_ext.rendezvous.state import (
     BudgetSpent,
     Closed,
+    Decision,
     Excluded,
     Finished,
     Joined,
@@ -63,6 +73,9 @@ from elastic_ext.torch_compat import agent_gave_up, workers_succeeded
 logger = logging.getLogger(__name__)
 
 _POLL = 0.05
+_WAKE_S = 1.0
+"""How long a node in an open round it does not close waits on the state before it looks
+whether the closer is still alive (the wait ends at once when the state changes)."""
 
 
 def make_node_id() -> str:
@@ -125,6 +138,12 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         self._last_order: tuple[str, ...] = ()  # the nodes of the round we last joined
         self._min_reached_at: dict[tuple[str, int], float] = {}
         self._last_written_note = ""
+        self._my_join: tuple[str, int] | None = None  # the open round we joined by key
+        self._my_join_position = 0
+        self._my_join_count = 0  # the round's join keys when ours was written
+        self._take_over: tuple[str, int] | None = None  # an open round its closer left idle
+        self._joins_read: tuple[tuple[str, int, int, RunState], list[tuple[str, bytes]]] \
+            | None = None
         self._events.emit(EventKind.STARTED,
                           f"node {self._node} on the {backend.name} store"
                           + (", which it hosts" if backend.hosts_store else ""),
@@ -162,58 +181,84 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
             if reenter is Reason.FAILURE or not self.keeper.round_progressed():
                 unreachable = self._unreachable_peers()
         self.keeper.watch_round(None)
-        my_info = NodeInfo(self._addr, free_port("::" if ":" in self._addr else ""))
+        my_info = NodeInfo(self._addr, free_port("::" if ":" in self._addr else ""),
+                           self.keeper.presence_port)
+        my_entry = JoinEntry(my_info, tuple(sorted(unreachable))).to_bytes()
         fresh_generation = uuid.uuid4().hex[:12]
         deadline = self._clock.monotonic() + self._settings.timeouts.join
         last_note = ""
+        full_next = False
+        self._my_join = None
+        known: tuple[RunState | None, Token | None] | None = None  # what our last write saw
         while True:
             try:
-                state, token = self._read()
+                state, token = known if known is not None else self._read()
+                known = None
+                if state is None and self._completed is not None and self._last_round_left():
+                    raise JobFinishedError(self._finished_message(None))
+                if state is not None and self._joined_open_round(state) and not full_next \
+                        and not self._must_see_the_whole_round(state):
+                    known = self._wait_for_the_round(state, token, deadline)
+                    continue
+                full = full_next or self._must_see_the_whole_round(state)
+                full_next = False
+                seen = self._with_joins(state) if full else state
+                view = View(me=self._node, my_info=my_info,
+                            dead=self._dead_or_gone(seen, probe=full), completed=self._completed,
+                            min_reached_for=self._min_reached_for(seen),
+                            reenter_reason=reenter, fresh_generation=fresh_generation,
+                            unreachable=unreachable)
+                decision = decide(seen, view, self._limits)
+                if isinstance(decision, Write):
+                    if seen is not None and is_own_join(seen, decision.state, self._node):
+                        self._join(seen, my_entry, again=full)
+                    elif not full and self._joins_matter(seen):
+                        full_next = True  # decide that on the whole round, joins included
+                    else:
+                        if seen is not None:
+                            self._drop_joins(seen, removed_members(seen, decision.state))
+                        known = self._write(decision.state, token)
+                    continue
             except StoreUnavailableError as exc:
                 self._wait_out_outage(exc, deadline)
                 continue
-            if state is None and self._completed is not None and self._last_round_left():
-                raise JobFinishedError(self._finished_message(None))
-            view = View(me=self._node, my_info=my_info, dead=self._dead_or_gone(state),
-                        completed=self._completed, min_reached_for=self._min_reached_for(state),
-                        reenter_reason=reenter, fresh_generation=fresh_generation,
-                        unreachable=unreachable)
-            decision = decide(state, view, self._limits)
-            if isinstance(decision, Write):
-                try:
-                    self._write(decision.state, token)
-                except StoreUnavailableError as exc:
-                    self._wait_out_outage(exc, deadline)
-                continue
             if isinstance(decision, Joined):
                 return self._joined(decision.state)
-            if isinstance(decision, BudgetSpent):
-                message = (f"etcd-ext run {self._settings.run_id}: {decision.state.note}; "
-                           "every agent stops. Fix the failing workers, then start the job "
-                           "again (a new job resets the budget)")
-                logger.error(message)
-                self._events.emit(EventKind.BUDGET_SPENT, message, note=decision.state.note)
-                raise RestartBudgetExhaustedError(message)
-            if isinstance(decision, Closed):
-                raise RendezvousClosedError(f"etcd-ext run {self._settings.run_id} was closed")
-            if isinstance(decision, Finished):
-                raise JobFinishedError(self._finished_message(decision.state))
-            if isinstance(decision, Excluded):
-                message = (f"etcd-ext run {self._settings.run_id}: node {self._node} was left "
-                           f"out of the job: {decision.state.excluded[self._node]}. Its workers "
-                           "cannot train with nodes that cannot reach it: check the network "
-                           "between the nodes (firewall, routes, --local-addr), then start it "
-                           "again to rejoin")
-                logger.error(message)
-                self._events.emit(EventKind.EXCLUDED, message,
-                                  why=decision.state.excluded[self._node])
-                raise NodeExcludedError(message)
+            self._stop_if_over(decision)
             if state is not None and state.note not in (last_note, self._last_written_note):
                 last_note = state.note
                 logger.info("etcd-ext: %s", state.note)
             if self._clock.monotonic() > deadline:
-                raise RendezvousTimeoutError(self._timeout_message(state))
-            self._clock.sleep(_POLL)
+                raise RendezvousTimeoutError(self._timeout_message(seen))
+            if full:
+                self._clock.sleep(_POLL)  # the closer: joins come as keys, not state changes
+            else:
+                known = self._as_known(self._backend.wait_for_state(token, _WAKE_S, self._clock))
+
+    def _stop_if_over(self, decision: Decision) -> None:
+        """Raise what torch's agent stops on when ``decision`` ends this node's part in the
+        job (budget spent, run closed, job finished, node left out); else nothing."""
+        if isinstance(decision, BudgetSpent):
+            message = (f"etcd-ext run {self._settings.run_id}: {decision.state.note}; "
+                       "every agent stops. Fix the failing workers, then start the job "
+                       "again (a new job resets the budget)")
+            logger.error(message)
+            self._events.emit(EventKind.BUDGET_SPENT, message, note=decision.state.note)
+            raise RestartBudgetExhaustedError(message)
+        if isinstance(decision, Closed):
+            raise RendezvousClosedError(f"etcd-ext run {self._settings.run_id} was closed")
+        if isinstance(decision, Finished):
+            raise JobFinishedError(self._finished_message(decision.state))
+        if isinstance(decision, Excluded):
+            message = (f"etcd-ext run {self._settings.run_id}: node {self._node} was left "
+                       f"out of the job: {decision.state.excluded[self._node]}. Its workers "
+                       "cannot train with nodes that cannot reach it: check the network "
+                       "between the nodes (firewall, routes, --local-addr), then start it "
+                       "again to rejoin")
+            logger.error(message)
+            self._events.emit(EventKind.EXCLUDED, message,
+                              why=decision.state.excluded[self._node])
+            raise NodeExcludedError(message)
 
     def is_closed(self) -> bool:
         state, _ = self._read()
@@ -270,12 +315,117 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
                        exc)
         self._clock.sleep(_POLL)
 
+    @staticmethod
+    def _joins_matter(state: RunState | None) -> bool:
+        """Whether ``state`` is an open round, whose members are partly join keys."""
+        return state is not None and state.phase is Phase.OPEN \
+            and state.status is Status.ACTIVE
+
+    def _joined_open_round(self, state: RunState | None) -> bool:
+        """Whether ``state`` is the open round this node joined by key (``joins.py``)."""
+        return state is not None and state.phase is Phase.OPEN \
+            and state.status is Status.ACTIVE and self._node not in state.excluded \
+            and self._my_join == (state.generation, state.round)
+
+    def _must_see_the_whole_round(self, state: RunState | None) -> bool:
+        """Whether this node decides on the open round with every join read: it is the
+        round's closer, the closer is dead, or its own join filled the round. Everyone
+        else decides on the state alone: joining is one key write, then it waits."""
+        if state is None or state.phase is not Phase.OPEN or state.status is not Status.ACTIVE:
+            return False
+        closer = closer_of(state)
+        if closer is None or closer == self._node or self.keeper.dead_among({closer}) \
+                or self._take_over == (state.generation, state.round):
+            return True
+        return self._my_join == (state.generation, state.round) \
+            and self._my_join_position >= self._limits.max_nodes
+
+    @staticmethod
+    def _as_known(change: bool | tuple[bytes, Token]
+                  ) -> tuple[RunState | None, Token | None] | None:
+        """The state a wait brought along, if it did (else the loop reads it)."""
+        if isinstance(change, tuple):
+            return RunState.from_bytes(change[0]), change[1]
+        return None
+
+    def _wait_for_the_round(self, state: RunState, token: Token | None, deadline: float
+                            ) -> tuple[RunState | None, Token | None] | None:
+        """Wait, without reading the round's joins, until the state changes (the new state,
+        if the wait brought it along), the closer is judged dead, or the round stops moving
+        (no new join) for longer than its closer should take, when this node takes over
+        (``_take_over``); a watch on etcd, not a poll. The idle limit grows with this
+        node's join position, so that the earliest joiner takes over first rather than
+        everyone at once."""
+        closer = closer_of(state)
+        idle_limit = (self._settings.timeouts.last_call + self._settings.timeouts.heartbeat) \
+            * (1 + min(1.0, self._my_join_position / max(1, self._limits.max_nodes)))
+        joins = self._my_join_count
+        moved_at = self._clock.monotonic()
+        while self._clock.monotonic() < deadline:
+            change = self._backend.wait_for_state(token, _WAKE_S, self._clock)
+            if change or (closer is not None and self.keeper.dead_among({closer})):
+                return self._as_known(change)
+            count = self._backend.count_joins(state.generation, state.round)
+            if count != joins:
+                joins, moved_at = count, self._clock.monotonic()
+            elif self._clock.monotonic() - moved_at >= idle_limit:
+                logger.info("etcd-ext: round %d is still open %.1fs after its last join; "
+                            "deciding on it instead of its closer %s", state.round,
+                            self._clock.monotonic() - moved_at, closer)
+                self._take_over = (state.generation, state.round)
+                return None
+        raise RendezvousTimeoutError(self._timeout_message(state))
+
+    def _with_joins(self, state: RunState | None) -> RunState | None:
+        """``state`` with the open round's join keys merged in; the keeper judges them too
+        when this node watches everyone."""
+        if state is None or state.phase is not Phase.OPEN or state.status is not Status.ACTIVE:
+            return state
+        # The closer looks every _POLL: it reads the join keys again only when there are
+        # more of them (or the state changed), so a 1,024-node round costs it tens of
+        # reads, not one per join.
+        key = (state.generation, state.round,
+               self._backend.count_joins(state.generation, state.round), state)
+        if self._joins_read is None or self._joins_read[0] != key:
+            self._joins_read = (key, self._backend.read_joins(state.generation, state.round))
+        merged = with_joins(state, self._joins_read[1], self._limits.max_nodes)
+        self.keeper.watch_also(merged.known_nodes())
+        return merged
+
+    def _join(self, state: RunState, entry: bytes, again: bool) -> None:
+        """Join the open round with one key write (``joins.py``), once per round; ``again``
+        when the whole round was read and this node is not in it (a node that judged it
+        dead dropped its key)."""
+        key = (state.generation, state.round)
+        if self._my_join == key and not again:
+            return
+        # Members in the state (the closer) plus the join keys, this one's included: an
+        # upper bound of the round's size once this node is in (a merged state counts
+        # some twice, which costs one more look at the round, nothing else).
+        self._my_join_count = self._backend.join(state.generation, state.round, self._node,
+                                                 entry)
+        self._my_join_position = len(state.members) + self._my_join_count
+        self._my_join = key
+        logger.debug("etcd-ext: joined open round %d as number %d", state.round,
+                     self._my_join_position)
+
+    def _drop_joins(self, state: RunState, nodes: list[str]) -> None:
+        self._joins_read = None
+        if nodes:
+            self._backend.drop_joins(state.generation, state.round, nodes)
+
     def _unreachable_peers(self) -> frozenset[str]:
         """The nodes of our last round that do not answer at all, so the next round can
         leave out a node the others cannot reach (``state.unreachable_by_most``)."""
         others = set(self._last_order) - {self._node}
         if not others:
             return frozenset()
+        unknown = self.keeper.ports_unknown(others)
+        if unknown:
+            try:
+                self.keeper.learn_ports(self._ports_in(self._backend.read_beats(unknown)))
+            except StoreUnavailableError:
+                pass  # probe whom we can
         silent = self.keeper.unreachable_among(others, self._addrs)
         if silent:
             self._events.emit(EventKind.UNREACHABLE,
@@ -337,18 +487,37 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
                     "%s", self._settings.run_id, self._clock.monotonic() - began,
                     "" if ready else " (not ready; joining anyway)")
 
-    def _dead_or_gone(self, state: RunState | None) -> frozenset[str]:
-        """The keeper's dead, and in a round this node waits in, those of the nodes it
-        would wait for whose agent is gone for sure (``presence``)."""
+    def _dead_or_gone(self, state: RunState | None, probe: bool) -> frozenset[str]:
+        """The keeper's dead, and with ``probe`` (this node sees the whole open round) in a
+        round this node waits in, those of the nodes it would wait for whose agent is gone
+        for sure (``presence``)."""
         if state is None:
             return frozenset()
-        for node, info in {**state.members, **state.waiting}.items():
-            self._addrs[node] = info.addr
+        self._learn_addresses(state)
         dead = self.keeper.dead_among(state.known_nodes())
-        if state.phase is not Phase.OPEN or self._node not in state.members:
+        if not probe or state.phase is not Phase.OPEN or self._node not in state.members:
             return dead
         awaited = (set(state.previous) | set(state.waiting)) - set(state.members) - dead
-        return dead | self.keeper.gone_among(awaited - {self._node}, self._addrs)
+        awaited.discard(self._node)
+        unknown = self.keeper.ports_unknown(awaited)
+        if unknown:
+            self.keeper.learn_ports(self._ports_in(self._backend.read_beats(unknown)))
+        return dead | self.keeper.gone_among(awaited, self._addrs)
+
+    @staticmethod
+    def _ports_in(beats: dict[str, bytes | None]) -> dict[str, int]:
+        """The presence ports heartbeat values name (states written before ports were in
+        them)."""
+        return {n: port for n, value in beats.items()
+                if (port := presence_port_of(value)) is not None}
+
+    def _learn_addresses(self, state: RunState) -> None:
+        """Every node's address and presence port the state names (for probes)."""
+        nodes = {**state.members, **state.waiting}
+        for node, info in nodes.items():
+            self._addrs[node] = info.addr
+        self.keeper.learn_ports({n: i.presence for n, i in nodes.items() if i.presence},
+                                {n: i.addr for n, i in nodes.items()})
 
     def _start_keeper(self) -> None:
         if self._keeper_started:
@@ -367,12 +536,18 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         raw, token = current
         return RunState.from_bytes(raw), token
 
-    def _write(self, new: RunState, token: Token | None) -> None:
+    def _write(self, new: RunState, token: Token | None
+               ) -> tuple[RunState | None, Token | None] | None:
+        """Compare-and-swap ``new``; the state as the store holds it now (ours or the one
+        that won), so that the caller need not read it again; None if it vanished."""
         result = self._backend.set_state(new.to_bytes(), token)
         if result is not None and result[2] and new.note != self._last_written_note:
             self._last_written_note = new.note
             self._events.emit(EventKind.STATE, new.note, note=new.note, round=new.round,
                               phase=new.phase.value)
+        if result is None:
+            return None
+        return (new if result[2] else RunState.from_bytes(result[0])), result[1]
 
     def _min_reached_for(self, state: RunState | None) -> float | None:
         if state is None or state.phase is not Phase.OPEN:
@@ -385,6 +560,9 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         return now - self._min_reached_at.setdefault(key, now)
 
     def _joined(self, state: RunState) -> RendezvousInfo:
+        self._my_join = None
+        self._learn_addresses(state)
+        self.keeper.watch_also(state.members)  # until the keeper reads this state itself
         self._completed = (state.generation, state.round)
         self._last_order = state.order
         self.keeper.watch_round(self._completed)

@@ -6,6 +6,10 @@ it is positive. The keeper makes that number cover every reason to leave the
 current round: a dead or frozen participant, a node waiting to join, a newer
 round, or a worker's report that a peer failed. It never blocks the agent: the
 agent reads the keeper's last verdict.
+
+One keeper judges everyone (the watcher: ``joins.closer_of``) and publishes its
+``liveness.Verdict``; the others read it with their own heartbeat, one request a tick,
+and judge only the watcher.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from elastic_ext.rendezvous.backend import StoreBackend, presence_port_of
 from elastic_ext.rendezvous.clock import SYSTEM_CLOCK, Clock
 from elastic_ext.rendezvous.errors import CorruptStateError
 from elastic_ext.rendezvous.events import EventKind, EventLog
-from elastic_ext.rendezvous.liveness import LEFT, Liveness
+from elastic_ext.rendezvous.joins import closer_of
+from elastic_ext.rendezvous.liveness import LEFT, Liveness, Verdict
 from elastic_ext.rendezvous.presence import PresenceListener, PresenceProbe, unreachable_among
 from elastic_ext.rendezvous.state import (
     Limits,
@@ -36,6 +41,11 @@ logger = logging.getLogger(__name__)
 PROGRESS_WITHOUT_REPORTS_S = 120.0
 """Workers that never report steps (``control.report_progress``; the bundled trainer and
 ``PreemptionGuard`` do) count as progressing once their round has run this long."""
+
+
+_PROBES_PER_TICK = 8
+"""Presence probes of silent nodes a watcher makes per tick (each at most
+``presence.PROBE_TIMEOUT_S``)."""
 
 
 @dataclass(frozen=True)
@@ -69,9 +79,17 @@ class Keeper:
         self._reported_dead: set[str] = set()
         self._failing_since: float | None = None
         self._peers: frozenset[str] = frozenset()  # the last state's members and waiting
+        self._state: tuple[RunState | None, object | None] = (None, None)  # (state, token)
+        self._version: object | None = object()  # the state version read last: none yet
+        self._dead: frozenset[str] = frozenset()  # the last tick's judgement
+        self._also_watched: set[str] = set()
+        self._inherited: set[str] = set()  # dead by the last verdict we trusted
+        self._inherited_left: set[str] = set()
+        self._published: Verdict | None = None
         self._presence = PresenceListener()
         self._probe = PresenceProbe()
         self._ports: dict[str, int] = {}  # presence ports from the heartbeats last read
+        self._addrs: dict[str, str] = {}  # node addresses from the states read
         self._lost_told: tuple[str, int] | None = None  # the round whose workers know
         self._round_since = clock.monotonic()  # when the watched round was handed over
         self._progressed = False  # the watched round's workers completed a step
@@ -84,8 +102,29 @@ class Keeper:
             return self._pressure
 
     def dead_among(self, nodes: set[str]) -> frozenset[str]:
+        """Of ``nodes``, those judged dead or gone at the last tick (by us, or by the node
+        that watches everyone: ``liveness.Verdict``)."""
         with self._lock:
-            return self._liveness.dead_among(nodes - {self._node})
+            return self._dead & (nodes - {self._node})
+
+    def watch_also(self, nodes: Iterable[str]) -> None:
+        """Nodes to judge beyond the state's (an open round's joiners, which only the
+        closer reads): they count when this agent is the one watching everyone."""
+        with self._lock:
+            self._also_watched = set(nodes) - {self._node}
+
+    def ports_unknown(self, nodes: Iterable[str]) -> list[str]:
+        """Of ``nodes``, those whose presence port this keeper has not read."""
+        with self._lock:
+            return sorted(n for n in nodes if n not in self._ports and n != self._node)
+
+    def learn_ports(self, ports: Mapping[str, int], addrs: Mapping[str, str] | None = None
+                    ) -> None:
+        """Presence ports (and addresses) the caller read (the state names them; this
+        keeper reads only the watcher's heartbeat unless it watches everyone)."""
+        with self._lock:
+            self._ports.update({n: p for n, p in ports.items() if n != self._node})
+            self._addrs.update(addrs or {})
 
     @property
     def presence_port(self) -> int:
@@ -146,13 +185,24 @@ class Keeper:
     def tick(self) -> None:
         with self._lock:
             watched = self._round
+            also = self._also_watched
         try:
             self._presence.drain()
-            self._backend.beat(self._node, self._presence.port)
-            current = self._backend.get_state()
-            state = RunState.from_bytes(current[0]) if current else None
-            nodes = state.known_nodes() - {self._node} if state else set()
-            beats = self._backend.read_beats(sorted(nodes))
+            state, token = self._state
+            watcher = closer_of(state)
+            # Everyone judges everyone while the watcher itself is dead (a requeued job
+            # finding its old agents gone) until a new round names a live one.
+            judging = watcher is None or watcher == self._node or watcher in self._dead
+            nodes = (state.known_nodes() if state else set()) | also
+            nodes.discard(self._node)
+            observed = sorted(nodes) if judging else [watcher] if watcher else []
+            read = self._backend.keeper_read(self._node, self._presence.port, observed)
+            if read.state_version != self._version:
+                current = self._backend.get_state()
+                state, token = (RunState.from_bytes(current[0]), current[1]) if current \
+                    else (None, None)
+                self._state, self._version = (state, token), read.state_version
+            beats = read.beats
         except CorruptStateError as exc:
             logger.error("etcd-ext: %s", exc)
             return
@@ -174,54 +224,109 @@ class Keeper:
                            self._clock.monotonic() - self._failing_since)
             self._failing_since = None
         with self._lock:
+            self._liveness.forget(beats)  # judge only whom we watch now
             self._liveness.observe(beats)
             for node, value in beats.items():
                 port = presence_port_of(value)
                 if port is not None:
                     self._ports[node] = port
             if state is not None:
-                self._liveness.forget(nodes)
                 self._peers = frozenset(set(state.members) | set(state.waiting)) - {self._node}
-            dead = self._liveness.dead_among(nodes)
+                for node, info in {**state.members, **state.waiting}.items():
+                    self._addrs[node] = info.addr
+                    if info.presence is not None:
+                        self._ports.setdefault(node, info.presence)
+            dead, left = self._judge(state, watcher, judging, nodes, beats,
+                                     Verdict.from_bytes(read.verdict))
+            self._dead = dead
             for node in sorted(dead - self._reported_dead):
-                if beats.get(node) == LEFT:
+                if node in left:
                     self._events.emit(EventKind.NODE_LEFT, f"node {node} left", peer=node)
                 else:
                     self._events.emit(EventKind.NODE_DEAD,
-                                      f"node {node} declared dead (no heartbeat change)", peer=node)
+                                      f"node {node} declared dead (no heartbeat change"
+                                      + ("" if judging else f", judged by {watcher}") + ")",
+                                      peer=node)
             self._reported_dead |= dead
-            if self._round is None:
-                return
-            if self._round != watched:
-                return  # the agent joined a round while we read: this read is about the last
-            if state is None:
+            # Only the watcher publishes, and only a judgement of everyone: a tick that
+            # read the state that made us the watcher read one heartbeat, not all.
+            verdict = Verdict(self._node, state.generation, dead, left) \
+                if judging and state is not None and closer_of(state) == self._node else None
+            if self._round is None or self._round != watched:
+                record_progress = False  # not in a round, or it changed while we read
+            elif state is None:
                 # The last agent of a finished job removed the run's keys while this one
                 # was away (frozen): nothing to train with any more.
                 if not self._pressure.count:
                     self._leave_round(Pressure(1, "the run's state is gone: the job finished",
                                                Reason.MEMBERSHIP))
-                return
-            record_progress = self._note_progress(state)
-            lost = sorted(dead & self._members_of_our_round(state) - {self._node})
-            if lost and self._lost_told != self._round:
-                # Also after another reason came first: the stop must not wait on them.
-                self._control.publish_peer_lost(self._round[1], f"dead or hung: {', '.join(lost)}")
-                self._lost_told = self._round
-            if self._pressure.count:
-                return  # sticky until the next round: the agent acts on the first reason
-            count, why, reason = restart_pressure(
-                state, self._node, dead, self._limits, self._round,
-                self._control.fault_reported(self._round[1]) is not None)
-            if count:
-                self._leave_round(Pressure(count, why, reason))
-                return
-        if record_progress and current is not None:
-            self._record_progress(state, current[1])
-        self.check_worker_report()
+                record_progress = False
+            else:
+                record_progress = self._note_progress(state)
+                self._weigh(state, dead)
+        if verdict is not None and verdict != self._published:
+            self._publish(verdict)
+        if record_progress and state is not None:
+            self._record_progress(state, token)
+        if watched is not None:
+            self.check_worker_report()
+
+    def _judge(self, state: RunState | None, watcher: str | None, judging: bool,
+               nodes: set[str], beats: Mapping[str, bytes | None], verdict: Verdict | None
+               ) -> tuple[frozenset[str], frozenset[str]]:
+        """(dead, left) among ``nodes`` (under ``_lock``): our own judgement when we watch
+        everyone, else the watcher's published verdict and our judgement of the watcher.
+        A node that becomes the watcher keeps the last verdict's dead until they beat."""
+        own = self._liveness.dead_among(beats) | self._gone_among_silent(beats)
+        left = {n for n in own if beats.get(n) == LEFT}
+        if judging:
+            inherited = {n for n in self._inherited & nodes if not self._liveness.moved(n)}
+            return frozenset(own | inherited), frozenset(left | (self._inherited_left & inherited))
+        if state is not None and verdict is not None and verdict.by == watcher \
+                and verdict.generation == state.generation:
+            self._inherited, self._inherited_left = set(verdict.dead), set(verdict.left)
+            return frozenset(own | (verdict.dead & nodes)), frozenset(left | verdict.left)
+        return frozenset(own), frozenset(left)
+
+    def _gone_among_silent(self, beats: Mapping[str, bytes | None]) -> frozenset[str]:
+        """Of the nodes whose heartbeat has been still for two intervals, those whose agent
+        is gone for sure: its presence port refuses (``presence.py``). A killed agent is
+        found in about a second this way; a frozen one (its kernel still accepts) waits
+        for the heartbeat timeout. At most ``_PROBES_PER_TICK`` probes a tick (under
+        ``_lock``)."""
+        silence = self._liveness.silence()
+        suspects = sorted((n for n in beats if silence.get(n, 0.0) >= 2 * self._interval
+                           and n in self._ports and n in self._addrs), key=silence.__getitem__,
+                          reverse=True)[:_PROBES_PER_TICK]
+        return frozenset(n for n in suspects if self._probe.gone(self._addrs[n], self._ports[n]))
+
+    def _weigh(self, state: RunState, dead: frozenset[str]) -> None:
+        """Turn what we read into a reason to leave our round, if any (under ``_lock``)."""
+        assert self._round is not None
+        lost = sorted(dead & self._members_of_our_round(state) - {self._node})
+        if lost and self._lost_told != self._round:
+            # Also after another reason came first: the stop must not wait on them.
+            self._control.publish_peer_lost(self._round[1], f"dead or hung: {', '.join(lost)}")
+            self._lost_told = self._round
+        if self._pressure.count:
+            return  # sticky until the next round: the agent acts on the first reason
+        count, why, reason = restart_pressure(
+            state, self._node, dead, self._limits, self._round,
+            self._control.fault_reported(self._round[1]) is not None)
+        if count:
+            self._leave_round(Pressure(count, why, reason))
+
+    def _publish(self, verdict: Verdict) -> None:
+        """Write our verdict for the others (only when it changed: one write per change)."""
+        try:
+            self._backend.write_verdict(verdict.to_bytes())
+            self._published = verdict
+        except Exception as exc:  # the next tick tries again
+            logger.debug("etcd-ext: could not publish the verdict: %s", exc)
 
     def _note_progress(self, state: RunState) -> bool:
         """Update what we know of the watched round's progress (under ``_lock``); True when
-        the run's state should learn it from us."""
+        the run's state should learn it from us (rank 0 of the round)."""
         assert self._round is not None
         if not self._progressed:
             if self._control.progress_reported(self._round[1]):
@@ -229,11 +334,13 @@ class Keeper:
             elif not self._steps_reported and \
                     self._clock.monotonic() - self._round_since >= PROGRESS_WITHOUT_REPORTS_S:
                 self._progressed = True
+        # Rank 0 writes it: its workers take part in every step, and one writer is one
+        # write, where every agent trying would be N compare-and-swaps of the whole state.
         return (self._progressed and (state.generation, state.round) == self._round
                 and state.phase is Phase.CLOSED and state.status is Status.ACTIVE
-                and state.progress_round < state.round)
+                and state.progress_round < state.round and closer_of(state) == self._node)
 
-    def _record_progress(self, state: RunState, token: object) -> None:
+    def _record_progress(self, state: RunState, token: object | None) -> None:
         """Tell the run that its round trained (one write per round, whoever is first), so
         that restarts after it are not counted as rounds without progress."""
         try:

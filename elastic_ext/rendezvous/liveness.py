@@ -6,10 +6,15 @@ process frozen) does not count against anyone: after such a gap every timer
 restarts, so an etcd outage or a leader election never kills a healthy job. Nor
 does a late observer judge: when our last read is older than half the timeout (a
 keeper delayed by a loaded machine or a long pause), nobody is dead until we read again.
+
+One node judges for the whole job (the round's closer, then its rank 0: ``joins.closer_of``)
+and publishes a ``Verdict``; the others read it and watch only that node's heartbeat, so
+liveness costs the store O(N) reads per interval for the job, not O(N) per agent.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -17,10 +22,42 @@ from dataclasses import dataclass
 LEFT = b"left"  # what a node writes to its heartbeat key when it leaves cleanly
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """The watching node's judgement, as it publishes it: who is dead, and of those, who left."""
+
+    by: str
+    generation: str
+    dead: frozenset[str]
+    left: frozenset[str] = frozenset()
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"by": self.by, "generation": self.generation,
+                           "dead": sorted(self.dead), "left": sorted(self.left)},
+                          separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes | None) -> Verdict | None:
+        """Parse strictly; None for a missing value or anything etcd-ext did not write."""
+        if raw is None or len(raw) > 1 << 20:
+            return None
+        try:
+            doc = json.loads(raw)
+            by, generation, dead, left = doc["by"], doc["generation"], doc["dead"], doc["left"]
+            if not isinstance(by, str) or not isinstance(generation, str) \
+                    or not isinstance(dead, list) or not isinstance(left, list) \
+                    or not all(isinstance(n, str) for n in dead + left):
+                return None
+            return cls(by, generation, frozenset(dead), frozenset(left))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
+            return None
+
+
 @dataclass
 class _Seen:
     value: bytes | None
     changed_at: float
+    moved: bool = False  # the value changed since we first saw it: the node beats
 
 
 class Liveness:
@@ -46,7 +83,7 @@ class Liveness:
                 self._seen[node] = _Seen(value, now)
             elif known.value != value and value is not None:
                 # A key that vanished (a dead agent's etcd lease expired) is no heartbeat.
-                known.value, known.changed_at = value, now
+                known.value, known.changed_at, known.moved = value, now, True
 
     def blind(self) -> None:
         """A read failed: what we saw so far says nothing about the time since."""
@@ -64,6 +101,11 @@ class Liveness:
             # read last says nothing about the time since, so nobody is judged on it.
             return False
         return now - seen.changed_at >= self._timeout
+
+    def moved(self, node: str) -> bool:
+        """Whether ``node``'s heartbeat changed since we started watching it."""
+        seen = self._seen.get(node)
+        return seen is not None and seen.moved
 
     def dead_among(self, nodes: Iterable[str]) -> frozenset[str]:
         return frozenset(n for n in nodes if self.is_dead(n))

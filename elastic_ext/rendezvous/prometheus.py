@@ -12,13 +12,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed import Store
 
-from elastic_ext.rendezvous.backend import StoreBackend, Token
+from elastic_ext.rendezvous.backend import KeeperRead, StoreBackend, Token
+from elastic_ext.rendezvous.clock import Clock
 from elastic_ext.rendezvous.errors import ConfigError
 from elastic_ext.rendezvous.events import EventKind
 
@@ -186,6 +187,43 @@ class MeasuredBackend(StoreBackend):
                   ) -> tuple[bytes, Token, bool] | None:
         with self._metrics.request("set_state"):
             return self._inner.set_state(state, token)
+
+    def state_version(self) -> object | None:
+        with self._metrics.request("state_version"):
+            return self._inner.state_version()
+
+    def wait_for_state(self, token: Token | None, timeout: float, clock: Clock
+                       ) -> bool | tuple[bytes, Token]:
+        return self._inner.wait_for_state(token, timeout, clock)  # waiting is no request time
+
+    def join(self, generation: str, round_: int, node: str, entry: bytes) -> int:
+        with self._metrics.request("join"):
+            return self._inner.join(generation, round_, node, entry)
+
+    def count_joins(self, generation: str, round_: int) -> int:
+        with self._metrics.request("count_joins"):
+            return self._inner.count_joins(generation, round_)
+
+    def read_joins(self, generation: str, round_: int) -> list[tuple[str, bytes]]:
+        with self._metrics.request("read_joins"):
+            return self._inner.read_joins(generation, round_)
+
+    def drop_joins(self, generation: str, round_: int, nodes: Iterable[str]) -> None:
+        with self._metrics.request("drop_joins"):
+            self._inner.drop_joins(generation, round_, nodes)
+
+    def write_verdict(self, verdict: bytes) -> None:
+        with self._metrics.request("write_verdict"):
+            self._inner.write_verdict(verdict)
+
+    def read_verdict(self) -> bytes | None:
+        with self._metrics.request("read_verdict"):
+            return self._inner.read_verdict()
+
+    def keeper_read(self, node: str, presence_port: int | None,
+                    watched: Sequence[str]) -> KeeperRead:
+        with self._metrics.request("keeper_read"):
+            return self._inner.keeper_read(node, presence_port, watched)
 
     def beat(self, node: str, presence_port: int | None = None) -> None:
         with self._metrics.request("beat"):

@@ -46,13 +46,17 @@ class Reason(str, enum.Enum):
 
 @dataclass(frozen=True)
 class NodeInfo:
-    """Where a node's rank-0 worker would host the workers' store if it gets rank 0."""
+    """Where a node's rank-0 worker would host the workers' store if it gets rank 0, and
+    where its agent answers presence probes (``presence.py``), so that nobody reads every
+    heartbeat to learn the ports."""
 
     addr: str
     port: int
+    presence: int | None = None
 
     def to_json(self) -> list[Any]:
-        return [self.addr, self.port]
+        return [self.addr, self.port] if self.presence is None \
+            else [self.addr, self.port, self.presence]
 
 
 @dataclass(frozen=True)
@@ -161,10 +165,13 @@ def _nodes(doc: Any) -> dict[str, NodeInfo]:
         raise ValueError("expected a mapping of nodes")
     out = {}
     for node, info in doc.items():
-        addr, port = info
-        if not 0 < _int(port) < 65536:
-            raise ValueError(f"bad port {port!r}")
-        out[_text(node)] = NodeInfo(_text(addr), port)
+        addr, port, *presence = info
+        if len(presence) > 1:
+            raise ValueError("a node is [address, port] or [address, port, presence port]")
+        for value in (port, *presence):
+            if not 0 < _int(value) < 65536:
+                raise ValueError(f"bad port {value!r}")
+        out[_text(node)] = NodeInfo(_text(addr), port, presence[0] if presence else None)
     return out
 
 
@@ -435,8 +442,10 @@ def restart_pressure(state: RunState, me: str, dead: frozenset[str], limits: Lim
         # Read before our round closed (a round never reopens under its number): stale.
         return 0, "", Reason.FAILURE
     if (state.generation, state.round) != my_round or state.phase is Phase.OPEN:
-        return 1, f"round {state.round} ({state.phase.value}) replaced round {my_round[1]}", \
-            Reason.FAILURE
+        # A round opened for a membership change says so; anything else may be a failure.
+        why = Reason.MEMBERSHIP if state.phase is Phase.OPEN and state.generation == generation \
+            and state.opened_because is Reason.MEMBERSHIP else Reason.FAILURE
+        return 1, f"round {state.round} ({state.phase.value}) replaced round {my_round[1]}", why
     if state.status is not Status.ACTIVE:
         return 1, f"run is {state.status.value}", Reason.FAILURE
     lost = sorted(set(state.order) & dead - {me})

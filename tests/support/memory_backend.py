@@ -90,6 +90,53 @@ class MemoryBackend(StoreBackend):
             return None
         return unwrap_state(found[0]), found[1], False
 
+    def state_version(self) -> object | None:
+        with self.store.lock:
+            self.store.check_up()
+            found = self.store.keys.get(self._prefix + STATE_KEY)
+        return None if found is None else found[1]
+
+    def _join_prefix(self, generation: str, round_: int) -> str:
+        return f"{self._prefix}join/{generation}/{round_}/"
+
+    def join(self, generation: str, round_: int, node: str, entry: bytes) -> int:
+        prefix = self._join_prefix(generation, round_)
+        with self.store.lock:
+            self.store.check_up()
+            self.store.put(prefix + node, entry)
+            return sum(1 for k in self.store.keys if k.startswith(prefix))
+
+    def count_joins(self, generation: str, round_: int) -> int:
+        prefix = self._join_prefix(generation, round_)
+        with self.store.lock:
+            self.store.check_up()
+            return sum(1 for k in self.store.keys if k.startswith(prefix))
+
+    def read_joins(self, generation: str, round_: int) -> list[tuple[str, bytes]]:
+        prefix = self._join_prefix(generation, round_)
+        with self.store.lock:
+            self.store.check_up()
+            found = sorted((rev, k[len(prefix):], v) for k, (v, rev) in self.store.keys.items()
+                           if k.startswith(prefix))
+        return [(node, value) for _, node, value in found]
+
+    def drop_joins(self, generation: str, round_: int, nodes: Iterable[str]) -> None:
+        prefix = self._join_prefix(generation, round_)
+        with self.store.lock:
+            self.store.check_up()
+            for node in nodes:
+                self.store.keys.pop(prefix + node, None)
+
+    def write_verdict(self, verdict: bytes) -> None:
+        with self.store.lock:
+            self.store.check_up()
+            self.store.put(self._prefix + "verdict", verdict)
+
+    def read_verdict(self) -> bytes | None:
+        with self.store.lock:
+            self.store.check_up()
+            return (self.store.keys.get(self._prefix + "verdict") or (None, 0))[0]
+
     def beat(self, node: str, presence_port: int | None = None) -> None:
         self._beats += 1
         self._put_beat(node, heartbeat_value(self._beats, presence_port))

@@ -1,0 +1,363 @@
+"""Join keys and the closer (``joins.py``), and the watcher's verdict: pure logic, plus the
+store work they save, counted on the in-memory backend with many in-process agents."""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from elastic_ext.control import AgentControl
+from elastic_ext.rendezvous.backend import KeeperRead, unwrap_state, wrap_state
+from elastic_ext.rendezvous.errors import CorruptStateError
+from elastic_ext.rendezvous.events import EventLog
+from elastic_ext.rendezvous.handler import EtcdExtRendezvousHandler
+from elastic_ext.rendezvous.joins import (
+    JoinEntry,
+    closer_of,
+    is_own_join,
+    removed_members,
+    with_joins,
+)
+from elastic_ext.rendezvous.keeper import Keeper
+from elastic_ext.rendezvous.liveness import Verdict
+from elastic_ext.rendezvous.state import Limits, NodeInfo, Phase, RunState, Status
+from tests.support.memory_backend import MemoryBackend, MemoryStore
+from tests.support.stores import settings_for
+
+
+def info(port: int) -> NodeInfo:
+    return NodeInfo("10.0.0.1", port)
+
+
+def entry(port: int, unreachable: tuple[str, ...] = ()) -> bytes:
+    return JoinEntry(info(port), unreachable).to_bytes()
+
+
+OPEN = RunState(generation="g", round=2, phase=Phase.OPEN, members={"closer": info(1)},
+                previous=("closer", "a", "b"))
+
+
+# -- join entries and merging -----------------------------------------------------------
+def test_a_join_entry_round_trips_and_anything_else_is_ignored() -> None:
+    e = JoinEntry(info(7), ("x", "y"))
+    assert JoinEntry.from_bytes(e.to_bytes()) == e
+    for raw in (b"", b"{}", b"[1]", b'{"addr":1,"port":2,"unreachable":[]}',
+                b'{"addr":"a","port":0,"unreachable":[]}',
+                b'{"addr":"a","port":true,"unreachable":[]}',
+                b'{"addr":"a","port":5,"unreachable":[3]}', b"\xff\xfe", b"[" * 100_000):
+        assert JoinEntry.from_bytes(raw) is None
+
+
+def test_joins_merge_in_join_order_up_to_max_and_the_rest_wait() -> None:
+    joins = [("a", entry(2)), ("b", entry(3, ("c",))), ("c", entry(4))]
+    merged = with_joins(OPEN, joins, max_nodes=3)
+    assert list(merged.members) == ["closer", "a", "b"]
+    assert list(merged.waiting) == ["c"]
+    assert merged.unreachable == {"b": ("c",)}
+    assert closer_of(merged) == "closer"
+
+
+def test_merging_skips_garbage_nodes_left_out_and_nodes_already_in() -> None:
+    state = replace(OPEN, excluded={"cut": "not reachable"})
+    joins = [("closer", entry(9)), ("junk", b"not json"), ("cut", entry(5)), ("a", entry(2))]
+    merged = with_joins(state, joins, max_nodes=8)
+    assert merged.members == {"closer": info(1), "a": info(2)}  # the closer keeps its entry
+
+
+@pytest.mark.parametrize("state", [
+    replace(OPEN, phase=Phase.CLOSED, order=("closer",)),
+    replace(OPEN, status=Status.FINISHED),
+])
+def test_only_an_active_open_round_takes_joins(state: RunState) -> None:
+    assert with_joins(state, [("a", entry(2))], max_nodes=8) is state
+
+
+def test_the_closer_is_the_open_rounds_first_member_and_rank_0_of_a_closed_one() -> None:
+    assert closer_of(None) is None
+    assert closer_of(replace(OPEN, members={})) is None
+    closed = replace(OPEN, phase=Phase.CLOSED, members={"b": info(3), "a": info(2)},
+                     order=("a", "b"))
+    assert closer_of(closed) == "a"
+
+
+def test_a_join_is_told_apart_from_other_writes() -> None:
+    joined = replace(OPEN, members={**OPEN.members, "me": info(5)})
+    assert is_own_join(OPEN, joined, "me")
+    assert not is_own_join(OPEN, joined, "other")
+    assert not is_own_join(OPEN, replace(joined, round=3), "me")
+    assert not is_own_join(OPEN, replace(joined, status=Status.BUDGET_SPENT), "me")
+    assert not is_own_join(OPEN, replace(joined, phase=Phase.CLOSED, order=("closer", "me")),
+                           "me")
+    dropped = replace(OPEN, members={"me": info(5)})  # the closer dropped while joining
+    assert not is_own_join(OPEN, dropped, "me")
+
+
+def test_members_dropped_from_the_open_round_lose_their_join_keys() -> None:
+    merged = with_joins(OPEN, [("a", entry(2)), ("b", entry(3))], max_nodes=8)
+    assert removed_members(merged, replace(merged, members={"a": info(2)})) == ["b", "closer"]
+    closed = replace(merged, phase=Phase.CLOSED, order=tuple(merged.members))
+    assert removed_members(merged, closed) == []  # closing keeps everyone
+    assert removed_members(merged, replace(merged, round=3, members={})) == []
+
+
+# -- the verdict ------------------------------------------------------------------------
+def test_a_verdict_round_trips_and_anything_else_is_no_verdict() -> None:
+    v = Verdict("w", "g", frozenset({"x", "y"}), frozenset({"y"}))
+    assert Verdict.from_bytes(v.to_bytes()) == v
+    for raw in (None, b"", b"[]", b'{"by":"w"}', b'{"by":1,"generation":"g","dead":[],"left":[]}',
+                b'{"by":"w","generation":"g","dead":[1],"left":[]}'):
+        assert Verdict.from_bytes(raw) is None
+
+
+class CountingBackend(MemoryBackend):
+    """Counts the heartbeat keys each keeper tick reads and every state write."""
+
+    def __init__(self, store: MemoryStore, counts: Counter[str]) -> None:
+        super().__init__(store)
+        self.counts = counts
+
+    def keeper_read(self, node: str, presence_port: int | None,
+                    watched: Sequence[str]) -> KeeperRead:
+        self.counts["keeper_reads"] += 1
+        self.counts["beats_read"] += len(watched)
+        return super().keeper_read(node, presence_port, watched)
+
+    def get_state(self) -> tuple[bytes, object] | None:
+        self.counts["state_reads"] += 1
+        return super().get_state()
+
+    def set_state(self, state: bytes, token: object | None = None
+                  ) -> tuple[bytes, object, bool] | None:
+        result = super().set_state(state, token)
+        self.counts["cas_ok" if result is not None and result[2] else "cas_lost"] += 1
+        return result
+
+    def join(self, generation: str, round_: int, node: str, entry: bytes) -> int:
+        self.counts["joins"] += 1
+        return super().join(generation, round_, node, entry)
+
+    def read_joins(self, generation: str, round_: int) -> list[tuple[str, bytes]]:
+        self.counts["join_lists_read"] += 1
+        self.counts[f"read_joins:{threading.current_thread().name}"] += 1
+        return super().read_joins(generation, round_)
+
+    def write_verdict(self, verdict: bytes) -> None:
+        self.counts["verdicts"] += 1
+        super().write_verdict(verdict)
+
+    def drop_joins(self, generation: str, round_: int, nodes: Iterable[str]) -> None:
+        super().drop_joins(generation, round_, nodes)
+
+    def clone(self) -> CountingBackend:
+        return CountingBackend(self.store, self.counts)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def keepers(store: MemoryStore, counts: Counter[str], nodes: list[str], clock: Clock,
+            tmp_path: Path) -> list[Keeper]:
+    limits = Limits(1, len(nodes), 1.0, None)
+    return [Keeper(CountingBackend(store, counts), n, interval=0.5, timeout=3.0, limits=limits,
+                   control=AgentControl(tmp_path / f"c-{n}"),
+                   events=EventLog("run1", n, "127.0.0.1", None), clock=clock) for n in nodes]
+
+
+def closed_state(nodes: list[str]) -> RunState:
+    return RunState(generation="g", round=1, phase=Phase.CLOSED,
+                    members={n: info(1000 + i) for i, n in enumerate(nodes)}, order=tuple(nodes))
+
+
+def test_liveness_reads_grow_linearly_with_the_job_not_quadratically(tmp_path: Path) -> None:
+    # Issue 14: every keeper read every heartbeat (N^2 per interval). Now rank 0 reads
+    # them all and the others read its heartbeat and its verdict.
+    for n in (16, 64):
+        store, counts, clock = MemoryStore(), Counter[str](), Clock()
+        nodes = [f"n{i:03d}" for i in range(n)]
+        MemoryBackend(store).set_state(closed_state(nodes).to_bytes())
+        ks = keepers(store, counts, nodes, clock, tmp_path / str(n))
+        for _ in range(2):  # the first tick reads the state: judges nobody yet
+            for k in ks:
+                k.tick()
+        counts.clear()
+        for _ in range(10):
+            clock.now += 0.5
+            for k in ks:
+                k.tick()
+        per_tick = counts["beats_read"] / 10
+        assert per_tick == (n - 1) + (n - 1)  # rank 0: n-1; every other: 1
+        assert counts["state_reads"] == 0  # the state did not change: nobody read it
+        assert counts["verdicts"] == 0  # nor did the verdict
+
+
+def test_a_death_reaches_everyone_through_the_verdict_in_about_the_timeout(
+        tmp_path: Path) -> None:
+    store, counts, clock = MemoryStore(), Counter[str](), Clock()
+    nodes = ["w", "a", "b", "victim"]
+    MemoryBackend(store).set_state(closed_state(nodes).to_bytes())
+    ks = keepers(store, counts, nodes, clock, tmp_path)
+    for k in ks:
+        k.tick()
+        k.watch_round(("g", 1))
+    alive = ks[:3]
+    for _ in range(1, 20):
+        clock.now += 0.5
+        for k in alive:  # the victim stopped beating at time 0
+            k.tick()
+        if all(k.pressure.count for k in alive):
+            break
+    assert clock.now <= 3.5 + 0.5  # the timeout, and one tick to read the verdict
+    assert all("victim" in k.pressure.why for k in alive)
+    assert ks[1].dead_among({"victim", "w", "b"}) == {"victim"}
+
+
+def test_a_verdict_counts_only_from_the_watcher_of_this_generation(tmp_path: Path) -> None:
+    store, counts, clock = MemoryStore(), Counter[str](), Clock()
+    nodes = ["w", "a", "b"]
+    MemoryBackend(store).set_state(closed_state(nodes).to_bytes())
+    a = keepers(store, counts, nodes, clock, tmp_path)[1]
+    peer = MemoryBackend(store)
+    for forged in (Verdict("b", "g", frozenset({"w"})), Verdict("w", "old", frozenset({"b"}))):
+        peer.write_verdict(forged.to_bytes())
+        for _ in range(3):
+            peer.beat("w")
+            peer.beat("b")
+            clock.now += 0.5
+            a.tick()
+        assert a.dead_among({"w", "b"}) == set()
+    peer.write_verdict(Verdict("w", "g", frozenset({"b"})).to_bytes())
+    a.tick()
+    assert a.dead_among({"w", "b"}) == {"b"}
+
+
+def test_a_new_watcher_keeps_the_last_verdicts_dead_until_they_beat(tmp_path: Path) -> None:
+    store, counts, clock = MemoryStore(), Counter[str](), Clock()
+    peer = MemoryBackend(store)
+    peer.set_state(closed_state(["w", "a", "dead", "back"]).to_bytes())
+    a = keepers(store, counts, ["w", "a", "dead", "back"], clock, tmp_path)[1]
+    peer.write_verdict(Verdict("w", "g", frozenset({"dead", "back"})).to_bytes())
+    a.tick()
+    a.tick()
+    assert a.dead_among({"dead", "back"}) == {"dead", "back"}
+    # "a" opens the next round: it closes it and now watches everyone itself
+    current = peer.get_state()
+    assert current is not None
+    opened = RunState(generation="g", round=2, phase=Phase.OPEN, members={"a": info(1)},
+                      previous=("w", "a", "dead", "back"))
+    peer.set_state(opened.to_bytes(), current[1])
+    a.tick()  # reads the new state
+    peer.beat("back")
+    clock.now += 0.5
+    a.tick()
+    peer.beat("back")
+    clock.now += 0.5
+    a.tick()
+    assert a.dead_among({"dead", "back", "w"}) == {"dead"}  # "back" beats: alive again
+
+
+# -- joining, counted -------------------------------------------------------------------
+def test_many_agents_join_with_one_write_each_and_no_compare_and_swap_storm(
+        tmp_path: Path) -> None:
+    n = 48
+    store, counts = MemoryStore(), Counter[str]()
+    settings = settings_for("127.0.0.1:2379", "run1", (n, n), join_timeout="60")
+    handlers = [EtcdExtRendezvousHandler(settings, CountingBackend(store, counts),
+                                         backend_name="etcd-ext", node_id=f"n{i:02d}",
+                                         control=AgentControl(tmp_path / f"c{i}"),
+                                         keeper_thread=False) for i in range(n)]
+    ranks: dict[int, int] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            ranks[i] = handlers[i].next_rendezvous().rank
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=run, args=(i,), name=f"agent-{i}") for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for h in handlers:
+        h.keeper.stop()
+    assert not errors and sorted(ranks.values()) == list(range(n))
+    assert counts["joins"] == n - 1  # everyone but the node that opened the round
+    # the round's state was written to open and to close it; a few agents lose the race
+    # to open it, nobody retries a join
+    assert counts["cas_ok"] == 2, counts
+    assert counts["cas_lost"] <= n, counts
+    # only the closer and the node whose join filled the round read the joins
+    assert len([k for k in counts if k.startswith("read_joins:")]) <= 2, counts
+
+
+def test_a_node_names_its_presence_port_in_the_state_and_in_its_join() -> None:
+    with_port = NodeInfo("10.0.0.1", 5, 6)
+    state = replace(OPEN, members={"closer": with_port})
+    assert RunState.from_bytes(state.to_bytes()).members["closer"] == with_port
+    assert JoinEntry.from_bytes(JoinEntry(with_port).to_bytes()) == JoinEntry(with_port)
+    raw = state.to_bytes().replace(b"[\"10.0.0.1\",5,6]", b"[\"10.0.0.1\",5,6,7]")
+    with pytest.raises(CorruptStateError, match="presence port"):
+        RunState.from_bytes(raw)
+
+
+def test_a_keeper_read_from_before_the_round_closed_is_no_reason_to_restart(
+        tmp_path: Path) -> None:
+    # Issue 14, flaw 2: right after round 1 closed, agents whose keeper had read the still
+    # open round 1 restarted their workers ("round 1 (open) replaced round 1").
+    store, counts, clock = MemoryStore(), Counter[str](), Clock()
+    peer = MemoryBackend(store)
+    nodes = ["w", "a"]
+    opened = replace(closed_state(nodes), phase=Phase.OPEN, order=())
+    peer.set_state(opened.to_bytes())
+    a = keepers(store, counts, nodes, clock, tmp_path)[1]
+    a.tick()  # caches the open round
+
+    class ClosesWhileRead(CountingBackend):
+        def get_state(self) -> tuple[bytes, object] | None:
+            read = super().get_state()  # the open round...
+            current = peer.get_state()
+            assert current is not None
+            peer.set_state(closed_state(nodes).to_bytes(), current[1])  # ...then it closes
+            a.watch_round(("g", 1))  # and the agent joins it meanwhile
+            return read
+    peer.beat("w")
+    a._backend = ClosesWhileRead(store, counts)  # noqa: SLF001 - the race, played exactly
+    a.watch_round(None)
+    current = peer.get_state()
+    assert current is not None
+    peer.set_state(replace(opened, note="one more join").to_bytes(), current[1])
+    a.tick()
+    assert a.pressure.count == 0
+    a._backend = CountingBackend(store, counts)  # noqa: SLF001
+    for _ in range(3):
+        peer.beat("w")
+        clock.now += 0.5
+        a.tick()
+    assert a.pressure.count == 0, a.pressure.why  # the closed round 1 is ours
+
+
+def test_a_large_state_is_stored_compressed_and_a_damaged_or_huge_one_refused() -> None:
+    nodes = {f"node-{i:04d}.cluster.example.com": info(30000 + i) for i in range(400)}
+    state = replace(OPEN, members=nodes, phase=Phase.CLOSED, order=tuple(nodes)).to_bytes()
+    stored = wrap_state(state)
+    assert stored.startswith(b"elastic-ext/1z\n") and len(stored) < len(state) / 2
+    assert unwrap_state(stored) == state
+    assert unwrap_state(wrap_state(b"{}")) == b"{}"  # small: as it is
+    for raw in (stored[:-20], b"elastic-ext/1z\n" + b"junk",
+                b"elastic-ext/1z\n" + zlib.compress(b" " * (2 << 20))):
+        with pytest.raises(CorruptStateError):
+            unwrap_state(raw)
