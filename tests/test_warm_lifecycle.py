@@ -290,9 +290,13 @@ def test_a_plain_ddp_script_under_the_launcher_spends_no_restart_on_a_dead_peer(
     ends the job.
     """
     command = [str(PLAIN_DDP), str(PLAIN_EPOCHS), str(PLAIN_SAVE_EVERY), "--batch_size", "16"]
+    # Bare, the worker's own failure must come first: a keeper that finds the killed peer
+    # first (its port refuses after two still heartbeats, about 1 s) restarts the worker
+    # for free, as with the launcher. Slower heartbeats keep the keeper out of that race.
     spec = JobSpec(command=["-m", "elastic_ext.warm", *command] if warm else command,
                    store="embedded", nnodes="2:3", nproc_per_node=1, max_restarts=0,
-                   run_id="plain-ddp")
+                   run_id="plain-ddp",
+                   rdzv_conf="" if warm else "heartbeat_interval=2,heartbeat_timeout=10")
     # The script keeps its snapshot in its working directory: the test's.
     here = Host(prefix=("env", "-C", str(tmp_path)))
     with LocalJob(spec, tmp_path, node_host=lambda index: here).start(2) as job:
