@@ -336,3 +336,20 @@ def test_a_dead_node_nobody_can_reach_is_not_left_out_it_may_come_back():
     s, _ = run(s, view("a", completed=(gen, 1), unreachable=("c",), dead=("c",)))
     s, d = run(s, view("b", completed=(gen, 0), unreachable=("c",), dead=("c",)))
     assert not s.excluded and s.phase is Phase.CLOSED and s.order == ("a", "b")
+
+
+def test_a_round_opened_for_a_membership_change_passes_that_reason_on() -> None:
+    # Issue 14: agents that learn of a new round from the state re-entered as after a
+    # failure and probed every peer (O(N^2) connections at scale) for a plain death.
+    opened, _ = run(None, view("a"))
+    opened, _ = run(opened, view("b"))
+    ours = (opened.generation, opened.round)
+    for because, expected in ((Reason.MEMBERSHIP, Reason.MEMBERSHIP),
+                              (Reason.FAILURE, Reason.FAILURE), (Reason.START, Reason.FAILURE)):
+        newer = replace(opened, round=opened.round + 1, opened_because=because)
+        count, _, reason = restart_pressure(newer, "a", frozenset(), LIMITS, ours, False)
+        assert (count, reason) == (1, expected), because
+    closed_newer = replace(opened, round=opened.round + 1, phase=Phase.CLOSED,
+                           order=tuple(opened.members), opened_because=Reason.MEMBERSHIP)
+    assert restart_pressure(closed_newer, "a", frozenset(), LIMITS, ours, False)[2] \
+        is Reason.FAILURE  # a round we are not in ran without us: not ours to call free
