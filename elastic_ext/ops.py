@@ -21,8 +21,9 @@ from elastic_ext.rendezvous.backend import StoreBackend, parse_beat
 from elastic_ext.rendezvous.errors import ConfigError
 from elastic_ext.rendezvous.factory import open_backend
 from elastic_ext.rendezvous.liveness import LEFT
+from elastic_ext.rendezvous.policy import stalled_rounds
 from elastic_ext.rendezvous.settings import Settings, parse_settings
-from elastic_ext.rendezvous.state import Phase, RunState, stalled_rounds
+from elastic_ext.rendezvous.state import Phase, RunState
 
 LIST_RUN_ID = "elastic-ext-list"
 """``list`` looks at the whole key prefix; the settings it opens the store with still name a run."""

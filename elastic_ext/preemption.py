@@ -14,8 +14,9 @@ the boundary, or begun the agreed commit, within a short grace. Once the commit
 has begun the watchdog leaves it alone.
 
 A worker whose collective fails because a peer went away reports it to its
-etcd-ext agent (:func:`elastic_ext.control.report_peer_failure`) and waits for the
-agent to stop it, instead of exiting non-zero and spending a restart.
+etcd-ext agent and waits for the agent to stop it (:mod:`elastic_ext.hold`, as the
+warm-start launcher does for any script), instead of exiting non-zero and spending a
+restart.
 
 A stop that is only the etcd-ext agent restarting its workers for a new round (it
 says so through ``elastic_ext.control``) is told apart from a real one, so the loop
@@ -29,11 +30,9 @@ from __future__ import annotations
 import enum
 import logging
 import os
-import re
 import select
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -45,7 +44,14 @@ import torch
 import torch.distributed as dist
 
 from elastic_ext import control
-from elastic_ext.distributed import collective_device, rank
+from elastic_ext.distributed import collective_device
+from elastic_ext.hold import (
+    EXIT_HOLD_TIMEOUT,
+    HOLD_TIMEOUT_S,
+    flush_std_streams,
+    hold_after_peer_fault,
+    is_peer_fault,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,33 +59,8 @@ SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers |
 """What ``signal.signal`` returns and takes back: a function, SIG_DFL/SIG_IGN, or None."""
 
 
-EXIT_HOLD_TIMEOUT = 1
 _PEER_LOST_POLL_S = 0.1
 """How often a stopping worker looks whether its agent found a peer dead or hung."""
-"""Exit status of a worker that waited for its own signal or for its agent, in vain."""
-
-_PEER_FAULT_PATTERNS = re.compile(
-    r"gloo/transport|ProcessGroupGloo|Gloo connect|NCCL|TCPStore|c10d"
-    r"|connection (?:reset|closed) by peer|broken pipe|socket timeout|communicator was aborted",
-    re.IGNORECASE,
-)
-"""Only what collectives and the store say: a hold is free of the restart budget, so an
-ordinary error (a data loader's timeout, say) must never be taken for a peer's fault."""
-
-
-def is_peer_fault(exc: BaseException) -> bool:
-    """True when ``exc`` looks like a collective failing because of a peer or the store.
-
-    Gloo raises plain ``RuntimeError`` ("Connection reset by peer", "Timed out waiting
-    ... for recv"), newer builds ``DistError`` subclasses; a genuine bug (a shape
-    error, say) must not be mistaken for one and held, so the message decides.
-    """
-    dist_error = getattr(dist, "DistError", None)
-    if dist_error is not None and isinstance(exc, dist_error):
-        return True
-    if not isinstance(exc, RuntimeError):
-        return isinstance(exc, (ConnectionError, TimeoutError))
-    return bool(_PEER_FAULT_PATTERNS.search(str(exc)))
 
 
 class Phase(enum.Enum):
@@ -99,7 +80,7 @@ class GuardSettings:
     """Advance notice (SLURM ``--signal=USR2@120``): a longer grace, the step may be slow."""
     stop_grace_s: float = 3.0
     preempt_grace_s: float = 30.0
-    hold_timeout_s: float = 60.0
+    hold_timeout_s: float = HOLD_TIMEOUT_S
     """How long a worker waits for its own signal after a stop it learned from others, or
     for its agent after reporting a peer failure, before it exits non-zero."""
 
@@ -124,11 +105,7 @@ def exit_now(code: int) -> NoReturn:
     """Leave without interpreter teardown, which can block on a dead peer's process group."""
     logger.info("exiting with status %d", code)
     logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    flush_std_streams()
     os._exit(code)
 
 
@@ -251,12 +228,18 @@ class PreemptionGuard:
             except Exception:
                 logger.exception("could not keep the state of the last step")
 
-    def _hold(self, code_on_signal: int) -> bool:
-        """Wait up to ``hold_timeout_s`` for a signal; True if one came."""
+    def _begin_hold(self, code_on_signal: int) -> None:
+        """From now the main thread waits for a signal; should it not leave once one came,
+        the watchdog ends the process with ``code_on_signal``."""
         with self._lock:
             self._hold_code = code_on_signal
             self._phase = Phase.HOLDING
-        return self._signal_event.wait(self.settings.hold_timeout_s)
+
+    def _wait_for_signal(self, timeout: float) -> int | None:
+        """The handled signal this process got, waiting up to ``timeout`` for one: the
+        :data:`elastic_ext.hold.SignalWait` of a process whose handlers are the guard's
+        (the watchdog, woken by the signal, sets the event)."""
+        return self._signalled if self._signal_event.wait(timeout) else None
 
     def _note(self, signum: int) -> None:
         with self._lock:
@@ -382,7 +365,8 @@ class PreemptionGuard:
             return 0
         logger.info("a peer was signalled; waiting up to %.0fs for this worker's own signal",
                     self.settings.hold_timeout_s)
-        if self._hold(code_on_signal=0):
+        self._begin_hold(code_on_signal=0)
+        if self._wait_for_signal(self.settings.hold_timeout_s) is not None:
             return 0
         logger.error("no signal reached this worker within %.0fs after the preemption snapshot",
                      self.settings.hold_timeout_s)
@@ -393,28 +377,26 @@ class PreemptionGuard:
 
         Already signalled: the failure is part of the stop, keep the state and leave. A
         peer fault under an etcd-ext agent: report it, keep the state, and wait until the
-        agent stops this worker (then 128+SIGTERM), or ``hold_timeout_s`` (then
-        non-zero). Otherwise (stock torchrun, or a genuine error): ``exc`` is raised again.
+        agent stops this worker (then 128+SIGTERM), or ``hold_timeout_s`` or the agent's
+        death (then non-zero), as :func:`elastic_ext.hold.hold_for_agent` does for any
+        script. Otherwise (stock torchrun, or a genuine error): ``exc`` is raised again.
         """
         if self._signalled is not None:
             logger.warning("step failed while stopping on %s: %s",
                            signal.Signals(self._signalled).name, exc)
             self._keep("the step failed while stopping")
             return 128 + self._signalled
-        if not is_peer_fault(exc):
+        code = hold_after_peer_fault(exc, timeout_s=self.settings.hold_timeout_s,
+                                     wait=self._wait_for_signal, on_reported=self._before_hold)
+        if code is None:
             raise exc
-        if not control.report_peer_failure(f"rank {rank()}: {type(exc).__name__}: {exc}"):
-            raise exc
-        logger.warning("a collective failed (%s); reported to the etcd-ext agent, waiting up to "
-                       "%.0fs for it to stop this worker", exc, self.settings.hold_timeout_s)
+        return code
+
+    def _before_hold(self) -> None:
+        """Keep the last step's state once the fault is reported, then hold."""
         self._set_phase(Phase.COMMITTING)  # the agent's SIGTERM must not cut the keep short
         self._keep("a collective failed")
-        if self._hold(code_on_signal=128 + signal.SIGTERM):
-            assert self._signalled is not None
-            return 128 + self._signalled
-        logger.error("the agent did not stop this worker within %.0fs of the reported failure",
-                     self.settings.hold_timeout_s)
-        return EXIT_HOLD_TIMEOUT
+        self._begin_hold(code_on_signal=128 + signal.SIGTERM)
 
 
 __all__ = [

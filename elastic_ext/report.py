@@ -23,6 +23,7 @@ from elastic_ext.runlog import (
     RunSummary,
     Segment,
     parse_events,
+    steps_text,
     stop_label,
     summarize,
 )
@@ -79,10 +80,7 @@ def _rel(value: float, t0: float) -> float:
 
 
 def _steps_text(seg: Segment) -> str:
-    if not seg.steps:
-        return "no step"
-    return f"step {seg.steps[0]}" if len(seg.steps) == 1 else \
-        f"steps {seg.steps[0]}-{seg.steps[-1]}"
+    return steps_text(seg.steps[0], seg.steps[-1]) if seg.steps else "no step"
 
 
 def _end_text(seg: Segment, last: bool) -> str:

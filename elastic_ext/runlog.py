@@ -317,6 +317,11 @@ class RunSummary:
         return sorted(marks, key=lambda m: m.time)
 
 
+def steps_text(first: int, last: int) -> str:
+    """``step 7`` or ``steps 7-12``: how reports and verdicts name a run of steps."""
+    return f"step {first}" if first == last else f"steps {first}-{last}"
+
+
 def stop_label(preempted: Event) -> str:
     """``stopped at step N by SIGTERM``: a round that left at a step boundary on a signal."""
     signal = preempted.get("signal")

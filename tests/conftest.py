@@ -6,10 +6,56 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from elastic_ext.local.processes import ProcessSet
+
+FAST_LANE_ENV = "ELASTIC_EXT_FAST_LANE"
+"""Set by ``tests/run.sh --fast``: a test that starts a real part anyway fails, naming the
+marker that keeps it out of the fast lane (so the lane cannot slowly grow slow)."""
+
+
+def real_part_started_by(argv: list[str]) -> str | None:
+    """What real part ``argv`` starts that the fast lane leaves out, with its marker."""
+    if not argv:
+        return None
+    program = Path(argv[0]).name
+    if program == "torchrun" or "torch.distributed.run" in argv:
+        return "a torchrun agent (mark it slow)"
+    if program == "etcd":
+        return "an etcd server (mark it etcd)"
+    if program == "ip" and "netns" in argv:
+        return "a network namespace (mark it netns)"
+    return None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that asks for a real etcd is marked ``etcd`` (the fast lane leaves it out)."""
+    for item in items:
+        if {"etcd", "etcd_cluster"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.etcd)
+
+
+@pytest.fixture(autouse=True)
+def _fast_lane_starts_no_real_parts(request: pytest.FixtureRequest,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    if os.environ.get(FAST_LANE_ENV) != "1":
+        return
+    original = subprocess.Popen.__init__
+
+    def guarded(self: subprocess.Popen[Any], args: Any, *rest: Any, **kwargs: Any) -> None:
+        if isinstance(args, (str, bytes, os.PathLike)):
+            argv = str(args).split() if kwargs.get("shell") else [str(args)]
+        else:
+            argv = [str(a) for a in args]
+        part = real_part_started_by(argv)
+        if part is not None:
+            pytest.fail(f"{request.node.nodeid} is in the fast lane but starts {part}")
+        original(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
 
 
 @pytest.fixture

@@ -1,10 +1,21 @@
 #!/usr/bin/env bash
 # The test command: installs what the tests need (CPU torch, the package, an etcd
 # server) on a fresh machine, runs ruff and mypy, then the whole suite.
+#
+#   bash tests/run.sh            the whole suite (what CI runs)
+#   bash tests/run.sh --fast     ruff, mypy and every test that starts no torchrun agent,
+#                                etcd server or network namespace, on two workers
+# Further arguments go to pytest (e.g. -k NAME, or a test file after --fast).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v etcd >/dev/null 2>&1; then
+fast=0
+if [ "${1:-}" = "--fast" ]; then
+  fast=1
+  shift
+fi
+
+if [ "$fast" = 0 ] && ! command -v etcd >/dev/null 2>&1; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "the tests need an etcd server (3.4 or 3.5): sudo apt-get install -y etcd-server" >&2
     exit 2
@@ -14,12 +25,21 @@ if ! command -v etcd >/dev/null 2>&1; then
   apt-get install -y -qq etcd-server >/dev/null
 fi
 
-# torch first, pinned, so pip takes the CPU wheel instead of a multi-GB CUDA build.
-python3 -m pip install -q --disable-pip-version-check "torch==2.13.0"
-python3 -m pip install -q --disable-pip-version-check -e ".[test]"
+# torch first, pinned, so pip takes the CPU wheel instead of a multi-GB CUDA build. The
+# fast lane installs only what is missing, so that it answers in seconds once set up.
+if [ "$fast" = 0 ] || ! python3 -c "import torch, elastic_ext, pytest, xdist, ruff, mypy" \
+    2>/dev/null; then
+  python3 -m pip install -q --disable-pip-version-check "torch==2.13.0"
+  python3 -m pip install -q --disable-pip-version-check -e ".[test]"
+fi
 
 # Static checks first: they take seconds and name the line.
 python3 -m ruff check .
 python3 -m mypy
 
+if [ "$fast" = 1 ]; then
+  export ELASTIC_EXT_FAST_LANE=1  # tests/conftest.py fails a test that starts a real part
+  exec python3 -m pytest -q -p no:cacheprovider -n 2 \
+    -m "not slow and not etcd and not slurm and not netns and not chaos_full" "$@" tests
+fi
 exec python3 -m pytest -q -p no:cacheprovider --durations=25 -m "not chaos_full" "$@" tests

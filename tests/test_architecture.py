@@ -78,3 +78,18 @@ def test_the_checks_see_the_modules_they_guard() -> None:
     assert "elastic_ext.rendezvous.handler" in graph["elastic_ext.rendezvous.factory"]
     assert "elastic_ext.local.job" in graph["elastic_ext.chaos.runner"]
     assert "elastic_ext.local.processes" in graph["elastic_ext.local.job"]
+
+
+MAX_RENDEZVOUS_LINES = 400
+"""One job per module: a rendezvous module over this many lines says why in its docstring."""
+OVER_LIMIT_REASON = f"Over {MAX_RENDEZVOUS_LINES} lines because"
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "rendezvous").glob("*.py")),
+                         ids=lambda path: path.name)
+def test_a_rendezvous_module_is_short_or_says_why_not(path: Path) -> None:
+    lines = len(path.read_text().splitlines())
+    docstring = ast.get_docstring(ast.parse(path.read_text(), str(path))) or ""
+    assert lines <= MAX_RENDEZVOUS_LINES or OVER_LIMIT_REASON in docstring, (
+        f"{path.relative_to(ROOT)} has {lines} lines: split it by job, or give the reason "
+        f"in its module docstring (a line with '{OVER_LIMIT_REASON} ...')")

@@ -19,7 +19,7 @@ import pytest
 from elastic_ext.chaos import netns
 from elastic_ext.local.processes import ProcessSet, wait_until
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(120)]
 
 REASON = netns.unavailable()
 

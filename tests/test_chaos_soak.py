@@ -288,7 +288,8 @@ def test_print_schedule_is_a_scenario_that_replays_the_same_faults() -> None:
     (("--duration", "2m", "--every", "40-20s"), "the shorter gap comes first"),
     (("--duration", "2m", "--seed", "x"), "--seed 'x': expected a whole number"),
     (("--duration", "2m", "--nodes", "many"), "--nodes 'many': expected a number"),
-    (("--duration", "2m", "--set", "nodes=4"), "use --nodes"),
+    pytest.param(("--duration", "2m", "--set", "nodes=4"), "use --nodes",
+                 marks=pytest.mark.netns),  # checked after the soak looks for namespaces
     (("--duration", "2m", "--recovery-bound", "soon"), "--recovery-bound 'soon'"),
     (("kill-node", "--duration", "2m"), "soak takes no scenario (kill-node)"),
 ])
@@ -300,6 +301,7 @@ def test_bad_soak_options_get_one_line_naming_the_fix(argv: tuple[str, ...],
     assert message in out.getvalue()
 
 
+@pytest.mark.netns
 def test_the_soak_command_prints_a_line_per_fault_and_writes_the_report(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("matplotlib")

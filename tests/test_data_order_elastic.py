@@ -31,6 +31,8 @@ from tests.support.trainer_runs import (
     worker_pids,
 )
 
+pytestmark = pytest.mark.slow  # starts torchrun agents
+
 
 def _per_step(records: list[dict[str, Any]]) -> dict[int, list[int]]:
     """Global ids of each step, taking for each step the last incarnation that completed it.

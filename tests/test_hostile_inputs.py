@@ -21,6 +21,7 @@ from tests.support.agents import ALLREDUCE_JOB, torchrun
 from tests.support.stores import plant_etcd_state, settings_for
 
 
+@pytest.mark.etcd
 @pytest.mark.timeout(120)
 def test_etcd_without_the_v3_gateway_is_named_as_such(processes, tmp_path):
     etcd = start_cluster(processes, tmp_path, size=1,
@@ -65,6 +66,7 @@ def test_an_oversized_state_value_is_refused_by_the_agent(processes, etcd):
     assert p.wait(timeout=60) != 0 and "over the 1048576 limit" in p.output()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_zero_nodes_is_refused_before_anything_waits(processes):
     p = torchrun(processes, "zero", endpoint=f"127.0.0.1:{free_port()}", run_id="z", nnodes="0:2",

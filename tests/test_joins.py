@@ -26,7 +26,8 @@ from elastic_ext.rendezvous.joins import (
 )
 from elastic_ext.rendezvous.keeper import Keeper
 from elastic_ext.rendezvous.liveness import Verdict
-from elastic_ext.rendezvous.state import Limits, NodeInfo, Phase, RunState, Status
+from elastic_ext.rendezvous.policy import Limits
+from elastic_ext.rendezvous.state import NodeInfo, Phase, RunState, Status
 from tests.support.memory_backend import MemoryBackend, MemoryStore
 from tests.support.stores import settings_for
 

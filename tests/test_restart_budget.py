@@ -19,20 +19,8 @@ from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.local.job import JobSpec, LocalJob, wait_for_step
 from elastic_ext.rendezvous.events import EventKind
 from elastic_ext.rendezvous.handler import EtcdExtRendezvousHandler
-from elastic_ext.rendezvous.state import (
-    BudgetSpent,
-    Decision,
-    Joined,
-    Limits,
-    NodeInfo,
-    Phase,
-    Reason,
-    RunState,
-    Status,
-    View,
-    Write,
-    decide,
-)
+from elastic_ext.rendezvous.policy import BudgetSpent, Decision, Joined, Limits, View, Write, decide
+from elastic_ext.rendezvous.state import NodeInfo, Phase, Reason, RunState, Status
 from tests.support.memory_backend import MemoryBackend, MemoryStore
 from tests.support.stores import settings_for
 

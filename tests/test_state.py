@@ -5,18 +5,13 @@ from dataclasses import replace
 import pytest
 
 from elastic_ext.rendezvous.errors import CorruptStateError
-from elastic_ext.rendezvous.state import (
+from elastic_ext.rendezvous.policy import (
     BudgetSpent,
     Closed,
     Excluded,
     Finished,
     Joined,
     Limits,
-    NodeInfo,
-    Phase,
-    Reason,
-    RunState,
-    Status,
     View,
     Wait,
     Write,
@@ -25,6 +20,7 @@ from elastic_ext.rendezvous.state import (
     stalled_rounds,
     unreachable_by_most,
 )
+from elastic_ext.rendezvous.state import NodeInfo, Phase, Reason, RunState, Status
 
 LIMITS = Limits(min_nodes=2, max_nodes=3, last_call=1.0, max_restarts=1)
 

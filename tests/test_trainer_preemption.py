@@ -34,6 +34,8 @@ from tests.support.trainer_runs import (
     worker_pids,
 )
 
+pytestmark = pytest.mark.slow  # starts torchrun agents
+
 HANDLE_USR2 = ("--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2", "--shutdown-timeout=60")
 
 

@@ -96,7 +96,7 @@ BASE = Status(step=120, total=2000, loss=0.0123, steps_per_s=18.5, global_batch_
 
 
 def test_the_line_format_is_stable() -> None:
-    """The documented format (README, trainer/progress.py): tools grep it, keep it."""
+    """The documented format (docs/trainer.md, trainer/progress.py): tools grep it, keep it."""
     assert format_line(BASE) == (
         "progress: step 120/2000 (6.0%) loss 0.0123 | 18.5 steps/s 592 samples/s | world 2 | "
         "agent restarts 0 | snapshot 2.1s ago | ETA 1m41s")
@@ -352,6 +352,7 @@ def _generations(lines: list[dict[str, str]]) -> list[list[dict[str, str]]]:
     return gens
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_progress_lines_of_a_real_run_with_a_restart_and_a_world_size_change(
         processes: ProcessSet, tmp_path: Path) -> None:

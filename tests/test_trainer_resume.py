@@ -22,6 +22,8 @@ from tests.support.trainer_runs import (
     wait_event,
 )
 
+pytestmark = pytest.mark.slow  # starts torchrun agents
+
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("nproc", [1, 2, 3, 4])

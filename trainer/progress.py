@@ -134,14 +134,10 @@ class Status:
     snapshots_on: bool = True
     event: str = ""
 
-    @property
-    def eta_s(self) -> float | None:
-        return eta_seconds(self.step, self.total, self.steps_per_s)
-
 
 def _fields(status: Status) -> dict[str, str]:
     rate = status.steps_per_s
-    eta = status.eta_s
+    eta = eta_seconds(status.step, status.total, rate)
     if not status.snapshots_on:
         snapshot = "off"
     elif status.snapshot_age_s is None:
@@ -374,8 +370,9 @@ def open_progress(*, rank: int, every_s: float, total: int, global_batch_size: i
     """Rank 0's progress on ``stream`` (a bar on a terminal with tqdm), an off one elsewhere."""
     if rank != 0 or every_s <= 0:
         return Progress.off()
+    # tqdm is imported for a terminal only; the bar needs it, else plain lines
     factory = tqdm_bar_factory() if choose_style(stream, have_tqdm=True) == "bar" else None
-    style = choose_style(stream, factory is not None)  # tqdm is only imported for a terminal
     return Progress(total=total, global_batch_size=global_batch_size, world_size=world_size,
-                    restarts=restarts, every_s=every_s, stream=stream, style=style,
-                    bar_factory=factory, snapshots_on=snapshots_on)
+                    restarts=restarts, every_s=every_s, stream=stream,
+                    style="lines" if factory is None else "bar", bar_factory=factory,
+                    snapshots_on=snapshots_on)

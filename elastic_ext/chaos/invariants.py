@@ -30,6 +30,7 @@ from elastic_ext.runlog import (
     durable_snapshots,
     restore_of,
     split_segments,
+    steps_text,
 )
 
 LAST_STEP = "job reaches its last step"
@@ -117,10 +118,6 @@ def _newest_before(snapshots: Sequence[tuple[int, float]], when: float, at_most:
     return max(steps) if steps else None
 
 
-def _steps_text(first: int, last: int) -> str:
-    return f"step {first}" if first == last else f"steps {first}-{last}"
-
-
 # -------------------------------------------------------------------------------- check
 def check(obs: Observation) -> Verdict:
     """Judge a run: every broken invariant becomes one readable :class:`Violation`."""
@@ -196,14 +193,14 @@ def check(obs: Observation) -> Verdict:
             violations.append(Violation(LOST_STEPS,
                                         f"round started at {at(new.start_time)} resumed from step "
                                         f"{resumed} although the snapshot of step {newest} was "
-                                        f"durable: {_steps_text(resumed + 1, newest)} lost"))
+                                        f"durable: {steps_text(resumed + 1, newest)} lost"))
         elif last > resumed and not crash:
             causes = [f.description for f in obs.faults
                       if old.start_time < f.time <= new.start_time]
             why = f"after {', '.join(causes)}" if causes else "with no fault injected"
             violations.append(Violation(LOST_STEPS,
                                         f"round started at {at(new.start_time)} {why} resumed "
-                                        f"from step {resumed}: {_steps_text(resumed + 1, last)} "
+                                        f"from step {resumed}: {steps_text(resumed + 1, last)} "
                                         "lost though no node crashed"))
 
     # 1. the job reaches its last step, and every node we did not kill ends cleanly

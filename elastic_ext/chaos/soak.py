@@ -33,7 +33,14 @@ from dataclasses import dataclass, field
 
 from elastic_ext.chaos.invariants import Violation
 from elastic_ext.chaos.runner import RunOptions, RunResult, run_scenario
-from elastic_ext.chaos.scenario import Scenario, ScenarioError, Settings, apply_setting, parse
+from elastic_ext.chaos.scenario import (
+    NETNS_VERBS,
+    Scenario,
+    ScenarioError,
+    Settings,
+    apply_setting,
+    parse,
+)
 
 __all__ = ["DEFAULT_KINDS", "KINDS", "NETNS_KINDS", "FaultOutcome", "PlannedFault",
            "ScheduleError", "Soak", "SoakResult", "SoakStats", "analyse", "fault_lines",
@@ -60,8 +67,9 @@ DEFAULT_KINDS = tuple(kind for kind in KINDS if kind != "cut-peers")
 when the trainer's collective times out (60 s), a minute of every soak it is drawn in:
 ``--kinds all`` or naming ``cut-peers`` adds it."""
 
-NETNS_KINDS = ("partition", "cut-peers")
-"""Kinds that need every node in a network namespace of its own (root)."""
+NETNS_KINDS = NETNS_VERBS
+"""Kinds that need every node in a network namespace of its own (root): those named after
+the scenario actions that do."""
 
 CUT_PEERS_S = 90
 """How long ``cut-peers`` lasts: past the trainer's collective timeout and the round that

@@ -26,15 +26,9 @@ from elastic_ext.rendezvous.errors import CorruptStateError
 from elastic_ext.rendezvous.events import EventKind, EventLog
 from elastic_ext.rendezvous.joins import closer_of
 from elastic_ext.rendezvous.liveness import LEFT, Liveness, Verdict
+from elastic_ext.rendezvous.policy import Limits, restart_pressure
 from elastic_ext.rendezvous.presence import PresenceListener, PresenceProbe, unreachable_among
-from elastic_ext.rendezvous.state import (
-    Limits,
-    Phase,
-    Reason,
-    RunState,
-    Status,
-    restart_pressure,
-)
+from elastic_ext.rendezvous.state import Phase, Reason, RunState, Status
 
 logger = logging.getLogger(__name__)
 

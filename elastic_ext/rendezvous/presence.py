@@ -13,7 +13,7 @@ waits as before.
 The same ports tell whether nodes can reach each other at all: after a round that
 failed, or ended before a training step, each agent checks that it can connect to the
 other nodes of that round (a frozen agent's kernel still answers). A node most others
-cannot reach, though the store can, is left out (``state.unreachable_by_most``).
+cannot reach, though the store can, is left out (``policy.unreachable_by_most``).
 """
 
 from __future__ import annotations

@@ -12,8 +12,16 @@ and standard streams, relays signals to the forked worker and exits with its sta
 This package imports nothing heavy: the launcher must start in milliseconds.
 """
 
+import signal
+
 SOCKET_ENV = "ELASTIC_EXT_WARM_SOCKET"
 """Set by the etcd-ext agent for its workers: the server's Unix socket, or ``off``."""
 
 OFF = "off"
 """``SOCKET_ENV`` when the agent was told not to warm-start (``--rdzv-conf warm_start=off``)."""
+
+RELAYED_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
+                             signal.SIGUSR1, signal.SIGUSR2})
+"""What torchrun may send a worker: the launcher relays them to the forked worker. The
+server blocks them (a Ctrl-C or a node-wide SIGTERM is for the agent and the workers, not
+for it); a forked worker unblocks them once its handlers are the defaults."""

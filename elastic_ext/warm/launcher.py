@@ -18,20 +18,13 @@ import socket
 import sys
 from typing import NoReturn
 
-from elastic_ext.warm import OFF, SOCKET_ENV
+from elastic_ext.hold import flush_std_streams, hold_for_agent
+from elastic_ext.warm import OFF, RELAYED_SIGNALS, SOCKET_ENV
 from elastic_ext.warm.protocol import ProtocolError, RunRequest, recv_message, send_message
 from elastic_ext.warm.target import Target, UsageError, parse_command
-from elastic_ext.warm.worker import (
-    hold_for_agent,
-    in_warm_worker,
-    process_start_time,
-    run_target,
-)
+from elastic_ext.warm.worker import in_warm_worker, process_start_time, run_target
 
 logger = logging.getLogger(__name__)
-
-RELAYED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
-                   signal.SIGUSR1, signal.SIGUSR2)
 
 
 def _rlimits() -> dict[str, list[int]]:
@@ -238,11 +231,7 @@ _NOT_FATAL = frozenset({signal.SIGCHLD, signal.SIGCONT, signal.SIGURG, signal.SI
 def exit_with_status(status: int) -> NoReturn:
     """Leave as the worker left: its exit code, or death by its signal (without a second
     core dump: the worker wrote one if its limits asked for it)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (AttributeError, OSError, ValueError):
-            pass
+    flush_std_streams()
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)
         try:

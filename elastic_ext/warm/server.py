@@ -26,17 +26,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
-from elastic_ext.warm import preload, safety
+from elastic_ext.warm import RELAYED_SIGNALS, preload, safety
 from elastic_ext.warm.protocol import ProtocolError, RunRequest, recv_message, send_message
 from elastic_ext.warm.target import Target
 from elastic_ext.warm.worker import enter_warm_worker, run_target
 
 logger = logging.getLogger(__name__)
 
-RELAYED_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
-                             signal.SIGUSR1, signal.SIGUSR2})
-"""Blocked in the server (a Ctrl-C or a node-wide SIGTERM is for the agent and the
-workers, not for it); a worker unblocks them once its handlers are the defaults."""
 _PR_SET_PDEATHSIG = 1
 _REQUEST_READ_TIMEOUT_S = 5.0
 

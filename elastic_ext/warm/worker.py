@@ -1,14 +1,13 @@
 """Running the user's module or script as ``python`` would, in a warm child or cold.
 
 The one thing added: a script that knows nothing of elastic-ext and dies of a
-peer's failure (the same narrow classification as the bundled trainer's guard)
-reports it to the etcd-ext agent and waits to be stopped, so torch's agent sees a
+peer's failure reports it to the etcd-ext agent and waits to be stopped, exactly as
+the bundled trainer's guard does (:mod:`elastic_ext.hold`), so torch's agent sees a
 membership change instead of this worker's failure and spends no restart on it.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import runpy
 import signal
@@ -17,15 +16,8 @@ import time
 import traceback
 from typing import NoReturn
 
+from elastic_ext.hold import flush_std_streams, hold_after_peer_fault
 from elastic_ext.warm.target import Target
-
-logger = logging.getLogger(__name__)
-
-HOLD_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2})
-HOLD_TIMEOUT_S = 60.0
-"""How long a worker that reported a peer fault waits for its agent to stop it."""
-EXIT_HOLD_TIMEOUT = 1
-_AGENT_CHECK_S = 0.2
 
 _warm = False
 _launched_at: float | None = None
@@ -110,7 +102,7 @@ def run_target(target: Target, args: list[str]) -> int:
 
 def _uncaught(exc: BaseException) -> int:
     """Report an exception that left the target as the interpreter would: exit status 1."""
-    held = _hold_after_peer_fault(exc)
+    held = hold_after_peer_fault(exc)
     if held is not None:
         return held
     sys.excepthook(type(exc), exc, exc.__traceback__)
@@ -145,52 +137,11 @@ def _die_of_sigint() -> NoReturn:
     import atexit
 
     atexit._run_exitfuncs()
-    _flush()
+    flush_std_streams()
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     signal.raise_signal(signal.SIGINT)  # delivered to this thread before it returns
     os._exit(128 + signal.SIGINT)
-
-
-def _hold_after_peer_fault(exc: BaseException) -> int | None:
-    """Report a peer's fault to the agent and wait for its stop; None if not one."""
-    if "torch.distributed" not in sys.modules:  # no collective ran: not a peer's fault
-        return None
-    from elastic_ext.preemption import is_peer_fault
-
-    if not is_peer_fault(exc):
-        return None
-    return hold_for_agent(f"{type(exc).__name__}: {exc}")
-
-
-def hold_for_agent(reason: str, *, setup_fault: bool = False) -> int | None:
-    """Report ``reason`` to the etcd-ext agent as a fault that is not this worker's (a
-    peer's, or with ``setup_fault`` the node's own machinery's) and wait for the agent's
-    stop signal: the exit status to leave with, or None when no agent listens (stock
-    torchrun: the caller fails as it would have). Returns at once if the agent dies."""
-    from elastic_ext import control
-
-    rank = os.environ.get("RANK", "?")
-    report = control.report_setup_failure if setup_fault else control.report_peer_failure
-    agent = os.getppid()
-    if not report(f"rank {rank}: {reason}"):
-        return None
-    logger.warning("rank %s: %s; reported to the etcd-ext agent as not this worker's fault, "
-                   "waiting up to %.0fs for it to stop this worker", rank, reason[:300],
-                   HOLD_TIMEOUT_S)
-    _flush()
-    signal.pthread_sigmask(signal.SIG_BLOCK, HOLD_SIGNALS)
-    deadline = time.monotonic() + HOLD_TIMEOUT_S
-    while (left := deadline - time.monotonic()) > 0:
-        got = signal.sigtimedwait(HOLD_SIGNALS, min(left, _AGENT_CHECK_S))
-        if got is not None:
-            return 128 + got.si_signo
-        if os.getppid() != agent:  # the agent died: nobody will stop us
-            logger.error("rank %s: the agent died while this worker waited for it", rank)
-            return EXIT_HOLD_TIMEOUT
-    logger.error("rank %s: the agent did not stop this worker within %.0fs", rank,
-                 HOLD_TIMEOUT_S)
-    return EXIT_HOLD_TIMEOUT
 
 
 def _write_stderr(text: str) -> None:
@@ -199,10 +150,3 @@ def _write_stderr(text: str) -> None:
     except (AttributeError, OSError, ValueError):  # no stderr, or a closed one
         pass
 
-
-def _flush() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
