@@ -17,7 +17,7 @@ import pytest
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousStateError
 
-from elastic_ext.net import free_port, free_ports
+from elastic_ext.net import free_port
 from elastic_ext.rendezvous.backend import STATE_KEY, StoreBackend
 from elastic_ext.rendezvous.c10d_backend import C10dBackend
 from elastic_ext.rendezvous.clock import SystemClock
@@ -38,10 +38,9 @@ class Store:
     plant: Callable[[str, bytes], None]  # (run id, raw value of its state key)
 
 
-@pytest.fixture(params=["etcd", "c10d", "c10d-candidates", "memory"])
+@pytest.fixture(params=[pytest.param("etcd", marks=pytest.mark.etcd), "c10d", "memory"])
 def store(request: pytest.FixtureRequest) -> Iterator[Store]:
-    """The parametrized store: a real etcd, a real embedded TCPStore (one endpoint, or a list
-    of candidate hosts, whose first entry this process hosts), or the test double."""
+    """The parametrized store: a real etcd, a real embedded TCPStore, or the test double."""
     if request.param == "etcd":
         endpoint = request.getfixturevalue("etcd").members[0].endpoint
 
@@ -66,28 +65,6 @@ def store(request: pytest.FixtureRequest) -> Iterator[Store]:
             store: Any = PrefixStore(settings(run_id).run_prefix, server)  # stubs say str values
             store.set(STATE_KEY, raw)
         yield Store(make_c10d, plant_c10d)
-    elif request.param == "c10d-candidates":
-        endpoint = "c10d://" + ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
-
-        def candidates(run_id: str, key_prefix: str = "/elastic-ext") -> Settings:
-            # a TCPStore connection here can wait 5 s for a reverse lookup of its peer
-            return settings_for(endpoint, run_id, key_prefix=key_prefix, connect_timeout="15")
-
-        host = C10dBackend.connect(candidates("host"))
-        assert host.hosts_store and host.outages_are_transient
-
-        def make_candidates(run_id: str = "run1", key_prefix: str = "/elastic-ext"
-                            ) -> StoreBackend:
-            return C10dBackend.connect(candidates(run_id, key_prefix))
-
-        def plant_candidates(run_id: str, raw: bytes) -> None:
-            port = int(endpoint.split(",")[0].rsplit(":", 1)[1])
-            client = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                              multi_tenant=True, timeout=timedelta(seconds=15))
-            store: Any = PrefixStore(candidates(run_id).run_prefix, client)
-            store.set(STATE_KEY, raw)
-        yield Store(make_candidates, plant_candidates)
-        host.close()
     else:
         memory = MemoryStore()
 

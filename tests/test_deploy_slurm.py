@@ -3,7 +3,8 @@
 slurmctld and one slurmd per network namespace, the lab's own munged; the shipped
 batch scripts are submitted as they are, with settings in the environment:
 
-1. a 2-node job trains to ``done`` through etcd-ext on an etcd the job starts on its first node;
+1. a 2-node job trains to ``done`` through etcd-ext on the one-member etcd the job starts on
+   its first node, and stops it at the end;
 2. preemption: a job on the preemptible partition (``--signal=USR2@120 --requeue``) is
    preempted by an urgent job: USR2 -> snapshot -> requeue (same job id, same run id,
    external etcd) -> resume from that step -> ``done``;
@@ -12,7 +13,10 @@ batch scripts are submitted as they are, with settings in the environment:
 4. a job killed without notice (every agent SIGKILLed) and requeued resumes under the same
    run id from the last periodic snapshot;
 5. the requeue rule: a requeued job's agents start a new generation with a fresh restart
-   budget (``restarts`` 0), even when the killed old allocation had spent it.
+   budget (``restarts`` 0), even when the killed old allocation had spent it;
+6. a 3-node job (a lab of its own) starts a 3-member etcd on its three nodes; node 1, whose
+   member leads etcd, is lost (link down, the job's processes there killed), and nodes 2
+   and 3 train on at world size 2 to ``done``.
 
 The wrapper's own checks (``--nnodes`` against the step) are in
 tests/test_deploy_slurm_scripts.py, which needs no lab.
@@ -23,6 +27,7 @@ munge with apt-get when they are missing.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import sys
@@ -35,6 +40,7 @@ import pytest
 
 from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.local.processes import ProcessSet, environ_of, signal_pids, wait_until
+from elastic_ext.procinfo import pid_alive
 from tests.support.slurm_lab import LabUnavailable, SlurmLab, check_host, ensure_packages
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -75,14 +81,17 @@ def job_env(lab: SlurmLab, job_dir: Path, **extra: str) -> dict[str, str]:
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}"
     env.pop("OMP_NUM_THREADS", None)  # torchrun-node.sh computes it
     env["ELASTIC_EXT_SNAPSHOT_DIR"] = str(job_dir / "snapshots")
+    # the nodes' scratch (TMPDIR), where the job's etcd members keep their data
+    (job_dir / "scratch").mkdir(exist_ok=True)
+    env["TMPDIR"] = str(job_dir / "scratch")
     env["TRAINER_LOG_LEVEL"] = "INFO"
     env.update(extra)
     return env
 
 
 def submit(lab: SlurmLab, job_dir: Path, script: str, env: dict[str, str], *trainer_args: str,
-           sbatch_args: tuple[str, ...] = ()) -> str:
-    return lab.sbatch("--nodes=2", "--time=5", f"--chdir={job_dir}",
+           sbatch_args: tuple[str, ...] = (), nodes: int = 2) -> str:
+    return lab.sbatch(f"--nodes={nodes}", "--time=5", f"--chdir={job_dir}",
                       f"--output={job_dir}/job-%j.out", *sbatch_args, str(SLURM_DIR / script),
                       *TRAIN, *trainer_args, env=env)
 
@@ -239,8 +248,12 @@ def test_two_node_job_trains_to_done_with_etcd_on_its_first_node(lab: SlurmLab,
     # elastic.sbatch's --nnodes=MIN:MAX fits the step's agents, as the wrapper counts them
     assert out.count(", --nnodes=1:2 for 2 agents (SLURM_STEP_NUM_TASKS)") == 2, why
     assert "trainer's last event: done" in out, why
-    # the job's etcd ended with the job
+    # below three nodes the job's etcd is one member, on the first node; the batch script
+    # stopped it at the end (USR1, passed on by srun) and its data went with it
+    assert f"etcd: 1 member(s) on node1, token elastic-ext-{job_id}-0" in out, why
+    assert re.search(r"\[etcd-member node1 [\d:]+\] stopping on SIGUSR1", out), why
     wait_until(lambda: not lab.processes_named("node1", "etcd"), 30, 0.2, "the job's etcd to exit")
+    assert etcd_data_dirs(job_dir / "scratch", job_id) == [], why
     print(f"2-node job: {time.monotonic() - started:.1f}s")
 
 
@@ -466,3 +479,150 @@ def test_a_requeued_job_starts_a_fresh_restart_budget(lab: SlurmLab, job_dir: Pa
     assert [(e["step"], e["world_size"]) for e in metrics(job_dir)
             if e["event"] == "done"] == [(200, 2)], why
     print(f"requeue after a spent budget: a fresh one; {time.monotonic() - started:.1f}s")
+
+
+@pytest.fixture
+def lab3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmLab]:
+    """A 3-node lab of its own (the module's has 2): the job that starts a 3-member etcd."""
+    try:
+        check_host()
+    except LabUnavailable as exc:
+        pytest.skip(str(exc))
+    ensure_packages()
+    processes = ProcessSet(tmp_path_factory.mktemp("slurm-lab3") / "logs")
+    try:
+        with SlurmLab(processes, nodes=3) as the_lab:
+            yield the_lab
+    finally:
+        processes.cleanup()
+
+
+_ETCD_LEADER = """
+import json, sys, time, urllib.request
+urls, wanted = sys.argv[1].split(","), sys.argv[2]
+def post(url, path, body=None):
+    request = urllib.request.Request(url + path, json.dumps(body or {}).encode())
+    with urllib.request.urlopen(request, timeout=3) as r:
+        return json.load(r)
+names = {m["ID"]: m["name"] for m in post(urls[0], "/v3/cluster/member/list")["members"]}
+target = next(i for i, name in names.items() if name == wanted)
+for _ in range(100):
+    statuses = {u: post(u, "/v3/maintenance/status") for u in urls}
+    leaders = {s["leader"] for s in statuses.values()}
+    if leaders == {target}:
+        print(json.dumps(sorted(names.values())))
+        break
+    at = [u for u, s in statuses.items() if s["header"]["member_id"] in leaders]
+    if len(leaders) == 1 and at:
+        try:
+            post(at[0], "/v3/maintenance/transfer-leadership", {"targetID": target})
+        except OSError:
+            pass
+    time.sleep(0.1)
+else:
+    sys.exit(f"{wanted} did not become the etcd leader: {statuses}")
+"""
+
+
+def make_etcd_leader(lab: SlurmLab, endpoints: str, node: str) -> list[str]:
+    """Move the leadership of the job's etcd to ``node``'s member (asked from the login
+    node, inside the lab); the names of the members."""
+    urls = ",".join(f"http://{e}" for e in endpoints.split(","))
+    out = lab.client(sys.executable, "-c", _ETCD_LEADER, urls, node, timeout=60).stdout
+    return list(json.loads(out))
+
+
+def job_step_processes(lab: SlurmLab, node: str, job_id: str) -> dict[int, str]:
+    """pid -> comm of every process of the job's steps on ``node``: the tasks srun started
+    there and whatever they started (a task's environment names its job and step). Not the
+    batch script nor its sruns (no step), nor slurmd and slurmstepd (no job)."""
+    found = {}
+    for pid, comm in lab.host_processes(node).items():
+        env = environ_of(pid)
+        if env.get("SLURM_JOB_ID") == job_id and "SLURM_STEP_ID" in env:
+            found[pid] = comm
+    return found
+
+
+def etcd_data_dirs(scratch: Path, job_id: str) -> list[str]:
+    """The etcd members' data directories left in the node-local scratch, by node."""
+    return sorted(p.name.split(".")[0] for p in scratch.glob(f"elastic-ext-etcd-{job_id}-*"))
+
+
+@pytest.mark.timeout(480)
+def test_a_three_node_job_trains_on_to_done_when_the_first_etcd_members_node_is_lost(
+        lab3: SlurmLab, tmp_path: Path) -> None:
+    """The recipe starts a 3-member etcd on the first three nodes of a 3-node allocation
+    (``--nnodes=2:3``). Node 1's member is made the etcd leader; then node 1 is lost: its
+    link goes down (nothing of it answers: etcd's leader, its torchrun agent, its worker,
+    and SLURM's batch script and sruns) and every process of the job's steps there is
+    SIGKILLed (its etcd member, etcd-member.sh, the torchrun agent, the agent's warm-start
+    server and the worker), so none of them comes back when the link does. Nodes 2 and 3
+    elect a new etcd leader and train on at world size 2 to ``done``. SLURM takes node 1
+    out of the job (``--no-kill``) but cannot end the job: its batch script was on node 1
+    (deploy/slurm/README.md says so), so the test cancels it, and the members on nodes 2
+    and 3 stop and remove their data."""
+    lab, job_dir = lab3, tmp_path
+    started = time.monotonic()
+    env = job_env(lab, job_dir, ELASTIC_EXT_MIN_NODES="2")
+    scratch = Path(env["TMPDIR"])
+    job_id = submit(lab, job_dir, "elastic.sbatch", env, "--steps", "200",
+                    "--snapshot-every", "20", nodes=3)
+    wait_metric(lab, job_dir, job_id, lambda e: training_steps(e, 3, 10), 180, "3-node training")
+    out = output(job_dir, job_id)
+    why = explain(lab, job_dir, job_id)
+    found = re.search(rf"rendezvous: etcd-ext at (\S+), run id {job_id}\n", out)
+    assert found, why
+    endpoints = found.group(1)
+    port = endpoints.split(",")[0].rsplit(":", 1)[1]
+    # every member on its own node's address, and torchrun told all of them
+    assert endpoints == ",".join(f"{lab.addr(n)}:{port}" for n in lab.nodes), why
+    assert f"etcd: 3 member(s) on node1 node2 node3, token elastic-ext-{job_id}-0" in out, why
+    assert etcd_data_dirs(scratch, job_id) == [f"elastic-ext-etcd-{job_id}-{n}"
+                                               for n in lab.nodes], why
+    assert make_etcd_leader(lab, endpoints, "node1") == lab.nodes
+
+    victims = job_step_processes(lab, "node1", job_id)
+    workers = [pid for pid in victims if "RANK" in environ_of(pid)]
+    assert {"etcd", "etcd-member.sh", "pt_elastic"} <= set(victims.values()) and workers, \
+        f"node1's job processes: {victims}"
+    try:
+        lab.cut_link("node1")  # first: the others see silence, not refused connections
+        signal_pids(victims, signal.SIGKILL)
+        wait_until(lambda: not any(pid_alive(p) for p in victims), 10, 0.05,
+                   "node1's job processes to die")
+        killed_at = time.time()  # no step of world size 3 can complete from here on
+        killed_step = max(e["step"] for e in metrics(job_dir) if e["event"] == "step")
+
+        wait_metric(lab, job_dir, job_id, lambda e: e["event"] == "start"
+                    and e["world_size"] == 2 and e["time"] > killed_at, 120,
+                    "nodes 2 and 3 to go on at world size 2")
+        wait_metric(lab, job_dir, job_id, lambda e: e["event"] == "done", 180, "done")
+        lab.wait_job(job_id, lambda j: j.get("NodeList") == "node[2-3]", 60,
+                     "SLURM to take node1 out of the job")
+        lab.client("scancel", job_id)
+        wait_until(lambda: not any(lab.processes_named(n, "etcd") for n in lab.nodes), 30, 0.2,
+                   "the members on nodes 2 and 3 to stop")
+        wait_until(lambda: etcd_data_dirs(scratch, job_id)
+                   == [f"elastic-ext-etcd-{job_id}-node1"], 30, 0.2,
+                   "the members on nodes 2 and 3 to remove their data (node1's was killed)")
+    finally:
+        lab.heal_link("node1")
+    job = wait_end(lab, job_dir, job_id, 120)
+    why = explain(lab, job_dir, job_id)
+    assert job["JobState"] == "CANCELLED", why
+
+    evs = metrics(job_dir)
+    after = [e for e in evs if e["time"] > killed_at]
+    resumed = next(e for e in after if e["event"] == "start" and e["world_size"] == 2)
+    restore = next(e for e in evs[evs.index(resumed):] if e["event"] == "restore")
+    # the survivors resumed from the step they were on, kept in node memory (one more if
+    # the kill came in the step-boundary collective, after the update), not from disk
+    assert restore["source"] in ("local", "peer"), why
+    assert killed_step <= resumed["resumed_from"] <= killed_step + 1, why
+    assert not [e for e in after if e["event"] == "step" and e["world_size"] != 2], why
+    assert [(e["step"], e["world_size"]) for e in evs if e["event"] == "done"] == [(200, 2)], why
+    lab.wait_nodes(lab.nodes, "idle", 120)  # ReturnToService=2: node1 is back once it answers
+    print(f"3-node job: node1 (etcd leader) lost at step {killed_step}; nodes 2 and 3 resumed "
+          f"at world size 2 from {resumed['resumed_from']} ({restore['source']}) and reached "
+          f"done; {time.monotonic() - started:.1f}s")

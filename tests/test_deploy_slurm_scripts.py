@@ -1,21 +1,30 @@
-"""deploy/slurm/torchrun-node.sh on its own, with a stub in place of torchrun: no SLURM lab.
+"""deploy/slurm's per-node scripts on their own: no SLURM lab.
 
-The wrapper refuses to start torchrun when ``--nnodes`` is missing (torchrun's default
-``1:1`` would make every node train alone at world size 1 under the same run id) or does
-not fit the torchrun agents of the srun step (MAX below their count, MIN above it); a
-call that fits replaces the wrapper with torchrun (``exec``: the same process).
+torchrun-node.sh, with a stub in place of torchrun, refuses to start torchrun when
+``--nnodes`` is missing (torchrun's default ``1:1`` would make every node train alone at
+world size 1 under the same run id) or does not fit the torchrun agents of the srun step
+(MAX below their count, MIN above it); a call that fits replaces the wrapper with torchrun
+(``exec``: the same process). etcd-member.sh, with a real one-member etcd on loopback,
+tells its node's address, runs its member through a preemption notice, and removes the
+member's data when it is stopped.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from elastic_ext.local.processes import ProcessSet, wait_until
+from elastic_ext.net import free_ports
+
 WRAPPER = Path(__file__).resolve().parent.parent / "deploy" / "slurm" / "torchrun-node.sh"
+MEMBER = WRAPPER.with_name("etcd-member.sh")
 STUB = """#!/bin/sh
 { echo "pid=$$"; echo "omp=$OMP_NUM_THREADS"; for a in "$@"; do echo "arg=$a"; done; } > "$STUB_OUT"
 """
@@ -160,3 +169,67 @@ def test_values_given_with_a_space_are_skipped_and_set_the_threads(stub: Path) -
 def test_outside_slurm_nothing_is_checked(stub: Path) -> None:
     run = wrapper(stub, TRAINER)
     assert run.code == 0 and run.ran and run.exec, run.err
+
+
+def member_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "ELASTIC_EXT_"))}
+    env.update(SLURMD_NODENAME="node7", SLURM_JOB_ID="77", **extra)
+    return env
+
+
+def test_the_member_script_tells_its_nodes_name_and_address() -> None:
+    out = subprocess.run(["bash", str(MEMBER), "addr"], capture_output=True, text=True,
+                         env=member_env(ELASTIC_EXT_LOCAL_ADDR="10.9.8.7"), timeout=30)
+    assert (out.returncode, out.stdout) == (0, "node7 10.9.8.7\n"), out.stderr
+    out = subprocess.run(["bash", str(MEMBER), "addr"], capture_output=True, text=True,
+                         env=member_env(ELASTIC_EXT_LOCAL_ADDR="127.0.1.1"), timeout=30)
+    assert out.returncode == 2 and not out.stdout, out.stderr
+    assert "[etcd-member node7 " in out.stderr and "set ELASTIC_EXT_IFNAME" in out.stderr
+
+
+def test_a_node_that_is_not_in_the_cluster_runs_no_member(tmp_path: Path) -> None:
+    out = subprocess.run(["bash", str(MEMBER), "run", "2379", "token",
+                          "node1=http://10.0.0.1:2380,node2=http://10.0.0.2:2380"],
+                         capture_output=True, text=True, timeout=30,
+                         env=member_env(TMPDIR=str(tmp_path)))
+    assert out.returncode == 2, out.stderr
+    assert "node7" in out.stderr and "is not a member of the job's etcd cluster" in out.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+            return b'"health":"true"' in reply.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.etcd
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("stop", [signal.SIGUSR1, signal.SIGTERM], ids=["USR1", "TERM"])
+def test_a_member_outlives_a_preemption_notice_and_takes_its_data_when_stopped(
+        processes: ProcessSet, tmp_path: Path, stop: signal.Signals) -> None:
+    """USR1 is how elastic.sbatch stops its members (srun passes it on), TERM how scancel and
+    the end of the job do; USR2, a preemption notice, must not stop etcd under the agents."""
+    client, peer = free_ports(2, "127.0.0.1")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    member = processes.spawn("member", [
+        "bash", str(MEMBER), "run", str(client), "elastic-ext-77-0",
+        f"node7=http://127.0.0.1:{peer}"], env=member_env(TMPDIR=str(scratch)))
+    wait_until(lambda: healthy(client), 30, 0.1, "the member to answer /health")
+    data = list(scratch.glob("elastic-ext-etcd-77-node7.*"))
+    assert len(data) == 1 and data[0].is_dir(), member.output()
+    assert "clients at http://127.0.0.1:" in member.output()
+
+    member.send(signal.SIGUSR2)  # SLURM signals every process of the step: script and etcd
+    wait_until(lambda: healthy(client), 10, 0.1, "the member to answer after USR2")
+    assert member.popen.poll() is None, member.output()
+
+    member.send(stop)
+    assert member.wait(timeout=20) == 0, member.output()
+    assert f"stopping on {stop.name}" in member.output()
+    assert not list(scratch.iterdir()), "the member left its data behind"
+    wait_until(lambda: not member.pids(), 10, 0.1, "etcd to be gone")

@@ -94,7 +94,7 @@ def test_nnodes_range_must_be_min_le_max(nnodes):
 
 @pytest.mark.parametrize("endpoint,match", [
     ("bad host!:1", "not HOST"), ("host:99999", "outside 1-65535"), ("host:http", "not a number"),
-    ("ftp://a:1", "scheme"), ("c10d://a:1,b:2,a:1", "names a:1 twice"),
+    ("ftp://a:1", "scheme"), ("c10d://a:1,b:2", "embedded c10d store has one host"),
 ])
 def test_malformed_endpoints_are_rejected(endpoint, match):
     with pytest.raises(ConfigError, match=match):

@@ -104,26 +104,15 @@ if [ -n "$agents" ]; then
   fi
 fi
 
-addr=${ELASTIC_EXT_LOCAL_ADDR:-}
-if [ -z "$addr" ] && [ -n "${ELASTIC_EXT_IFNAME:-}" ]; then
-  addr=$(ip -4 -o addr show dev "$ELASTIC_EXT_IFNAME" 2>/dev/null | awk '{split($4, a, "/"); print a[1]; exit}')
-  if [ -z "$addr" ]; then
-    log "ELASTIC_EXT_IFNAME=$ELASTIC_EXT_IFNAME has no IPv4 address on this node"
-    exit 2
-  fi
+# --local-addr: this node's address on the training network (node-addr.sh, shared with
+# the job's etcd members).
+. "$(dirname "${BASH_SOURCE[0]}")/node-addr.sh"
+node_addr || exit 2
+if [ -z "${ELASTIC_EXT_LOCAL_ADDR:-}" ] && [ -n "${ELASTIC_EXT_IFNAME:-}" ]; then
   # gloo and NCCL pick their own interface; point them at the same one unless told otherwise.
   export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$ELASTIC_EXT_IFNAME}
   export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$ELASTIC_EXT_IFNAME}
 fi
-if [ -z "$addr" ]; then
-  addr=$(getent ahostsv4 "$(hostname)" | awk '{print $1; exit}')
-fi
-case $addr in
-  "" | 127.*)
-    log "this node's hostname resolves to '${addr:-nothing}', which other nodes cannot reach;" \
-        "set ELASTIC_EXT_IFNAME to the interface of the training network (or ELASTIC_EXT_LOCAL_ADDR)"
-    exit 2 ;;
-esac
 
 if [ -z "${OMP_NUM_THREADS:-}" ]; then
   cpus=${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-$(nproc)}}

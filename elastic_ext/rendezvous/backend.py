@@ -9,8 +9,7 @@ included. State values carry a magic prefix so garbage in the key is reported, n
 Key layout of a run, relative to ``Settings.run_prefix`` (``<key_prefix>/<run_id>/``):
 ``state`` (the JSON state), ``hb/<node>`` (heartbeats), ``join/<generation>/<round>/``
 (the open round's join keys, ``joins.py``), ``verdict`` (the watching node's judgement
-of the others, ``keeper.py``) and the rounds' c10d stores; the embedded store with
-several candidate hosts adds ``store_term`` and ``store_id`` (``c10d_placement.py``).
+of the others, ``keeper.py``) and the rounds' c10d stores.
 """
 
 from __future__ import annotations
@@ -112,9 +111,7 @@ class StoreBackend(ABC):
     :class:`~elastic_ext.rendezvous.errors.StoreUnavailableError` when no endpoint
     answered within ``connect_timeout`` and
     :class:`~elastic_ext.rendezvous.errors.StoreAuthError` when the store refused the
-    credentials or certificate (retrying will not help). A store that moves (the embedded
-    store with several candidate hosts) is followed inside the method, which then raises
-    ``StoreUnavailableError`` only when no candidate answered within ``connect_timeout``.
+    credentials or certificate (retrying will not help).
     """
 
     @property
@@ -124,15 +121,14 @@ class StoreBackend(ABC):
 
     @property
     def outages_are_transient(self) -> bool:
-        """Whether an unreachable store may come back (an etcd cluster; the embedded store
-        with several candidate hosts, which moves to the next) or is gone for good (the
-        embedded store with one endpoint died with the agent that hosted it)."""
+        """Whether an unreachable store may come back (an etcd cluster, whose members
+        recover or stand in for each other) or is gone for good (the embedded store died
+        with the agent that hosted it)."""
         return True
 
     @property
     def hosts_store(self) -> bool:
-        """Whether this agent's own process serves the store now (the embedded store's
-        host; it changes when that store moves here or away)."""
+        """Whether this agent's own process serves the store (the embedded store's host)."""
         return False
 
     @abstractmethod
@@ -258,6 +254,4 @@ class StoreBackend(ABC):
         """Another connection to the same keys, for another thread."""
 
     def close(self) -> None:  # noqa: B027 - an optional hook, not a required method
-        """Release this connection; the default has nothing to release. Never raises.
-        The backend an agent opened (not a clone) stops serving an embedded store with
-        several candidates that this agent hosts: the others move to the next candidate."""
+        """Release this connection; the default has nothing to release. Never raises."""

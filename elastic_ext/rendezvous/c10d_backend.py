@@ -1,13 +1,10 @@
 """The run's state on an embedded c10d TCPStore, for machines with no etcd.
 
-**One endpoint** (``c10d://host:port``): the node whose address matches it hosts the
-store inside its agent; the others connect to it. That host is a single point of
-failure: when its agent dies the store dies with it, the other agents' next store
-operation fails at once, and they exit.
-
-**Several endpoints** (``c10d://node1:29400,node2:29400,node3:29400``) are candidate
-hosts, in order, and the store survives its host: ``c10d_placement`` finds the current
-host and moves the run's store when it dies; the backend follows it.
+The node whose address matches the one endpoint (``c10d://host:port``) hosts the store
+inside its agent; the others connect to it. That host is a single point of failure:
+when its agent dies the store dies with it, the other agents' next store operation
+fails at once, and they exit. A store that survives a node is etcd's job (a 3-member
+cluster); the embedded store takes exactly one endpoint (``settings.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TypeVar, cast
+from typing import Protocol, TypeVar, cast
 
 from torch.distributed import PrefixStore, Store, TCPStore
 
@@ -27,67 +24,96 @@ from elastic_ext.rendezvous.backend import (
     StoreBackend,
     Token,
     heartbeat_value,
+    unwrap_state,
     wrap_state,
-)
-from elastic_ext.rendezvous.c10d_placement import (
-    STORE_ERRORS,
-    ByteStore,
-    Placement,
-    connect_tcp_store,
-    decode_state,
-    read_key,
 )
 from elastic_ext.rendezvous.clock import Clock
 from elastic_ext.rendezvous.errors import ConfigError, StoreUnavailableError
 from elastic_ext.rendezvous.liveness import LEFT
-from elastic_ext.rendezvous.settings import Endpoint, Settings
+from elastic_ext.rendezvous.settings import Settings
 from elastic_ext.rendezvous.state import RunState
+from elastic_ext.torch_compat import matches_machine_hostname
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
+STORE_ERRORS = (RuntimeError, ValueError, TimeoutError)
 _STATE_SEQ = "state_seq"  # counts state writes, so waiters need not read the state
+_ABSENT = b"\0etcd-ext: no such key\0"
+
+
+class ByteStore(Protocol):
+    """A c10d store as its binding really is: values are bytes (torch's stubs say ``str``)."""
+
+    def set(self, key: str, value: bytes) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def check(self, keys: list[str]) -> bool: ...
+    def compare_set(self, key: str, expected_value: bytes, desired_value: bytes) -> bytes: ...
+    def multi_get(self, keys: list[str]) -> list[bytes]: ...
+    def delete_key(self, key: str) -> bool: ...
+    def add(self, key: str, amount: int) -> int: ...
+
+
+def connect_tcp_store(settings: Settings, host_if_possible: bool = True) -> tuple[TCPStore, bool]:
+    """Host the embedded store if this node should, else connect to it; (store, hosting)."""
+    endpoint = settings.endpoints[0]
+    timeout = timedelta(seconds=settings.timeouts.connect)
+    want_host = settings.is_host
+    if want_host is None:
+        want_host = host_if_possible and matches_machine_hostname(endpoint.host)
+    attempts = [True, False] if want_host and settings.is_host is None else [bool(want_host)]
+    last: Exception | None = None
+    for is_server in attempts:
+        try:
+            store = TCPStore(endpoint.host, endpoint.port, is_master=is_server,
+                             wait_for_workers=False, multi_tenant=True, timeout=timeout)
+        except STORE_ERRORS as exc:
+            last = exc
+            continue
+        if is_server:
+            logger.info("agent %d hosts the embedded etcd-ext store on %s", os.getpid(), endpoint)
+        return store, is_server
+    raise StoreUnavailableError(
+        f"cannot reach the embedded c10d store at {endpoint} within "
+        f"{settings.timeouts.connect:g}s ({last}); check --rdzv-endpoint, or start the node "
+        "that hosts it (the one whose address matches the endpoint)") from last
+
+
+def read_key(store: ByteStore, key: str) -> bytes | None:
+    """The key's value, or None, in one request that never waits: ``get`` waits for a
+    missing key (a key removed after ``check`` said it was there would cost
+    ``connect_timeout``), while ``compare_set`` echoes an expected value that is absent."""
+    value = bytes(store.compare_set(key, _ABSENT, _ABSENT))
+    return None if value == _ABSENT else value
+
+
+def decode_state(raw: bytes) -> bytes:
+    # value = magic + nonce line + state; the nonce makes every write's token unique
+    return unwrap_state(raw).split(b"\n", 1)[1]
 
 
 class C10dBackend(StoreBackend):
-    """The run's keys on the embedded TCPStore; see :class:`StoreBackend` for the contract.
+    """The run's keys on the embedded TCPStore; see :class:`StoreBackend` for the contract."""
 
-    With one endpoint it holds one TCPStore; with several it shares a ``Placement``
-    with its clones and follows the store when it moves.
-    """
-
-    def __init__(self, settings: Settings, store: TCPStore, *, hosts_store: bool = False,
-                 placement: Placement | None = None, owner: bool = False) -> None:
+    def __init__(self, settings: Settings, store: TCPStore, *, hosts_store: bool = False) -> None:
         self._settings = settings
-        self._placement = placement
-        self._owner = owner  # the backend ``connect`` returned: it releases the server
-        self._epoch = placement.epoch if placement is not None else 0
+        self._tcp = store
+        self._prefixed = PrefixStore(settings.run_prefix, store)
+        self._store = cast(ByteStore, self._prefixed)
         self._hosts_store = hosts_store
         self._beats = 0
         self._seq_at: tuple[bytes, int] = (b"", -1)  # a state read and the write count before it
-        self._attach(store)
-
-    def _attach(self, store: TCPStore) -> None:
-        self._tcp = store
-        self._prefixed = PrefixStore(self._settings.run_prefix, store)
-        self._store = cast(ByteStore, self._prefixed)
 
     @classmethod
     def connect(cls, settings: Settings, *, may_host: bool = True) -> C10dBackend:
-        """Host the embedded store if this node should (and ``may_host``), else connect to it;
-        with several candidates, find the current store or host it (module docstring).
+        """Host the embedded store if this node should (and ``may_host``), else connect to it.
 
         Raises:
             StoreUnavailableError: the store could not be hosted or reached in time.
         """
-        if len(settings.endpoints) == 1:
-            store, hosting = connect_tcp_store(settings, host_if_possible=may_host)
-            return cls(settings, store, hosts_store=hosting)
-        placement = Placement(settings, may_host=may_host)
-        with placement.lock:
-            store = placement.move(leaving=None)
-            return cls(settings, store, placement=placement, owner=True)
+        store, hosting = connect_tcp_store(settings, host_if_possible=may_host)
+        return cls(settings, store, hosts_store=hosting)
 
     @property
     def name(self) -> str:
@@ -95,18 +121,11 @@ class C10dBackend(StoreBackend):
 
     @property
     def outages_are_transient(self) -> bool:
-        # One endpoint: the store lives in one agent and dies with it. Several: it moves.
-        return self._placement is not None
+        return False  # the store lives in one agent; when that agent dies it is gone
 
     @property
     def hosts_store(self) -> bool:
-        if self._placement is not None:
-            return self._placement.server is not None
         return self._hosts_store
-
-    def _where(self) -> Endpoint:
-        placement = self._placement
-        return self._settings.endpoints[placement.at if placement is not None else 0]
 
     @contextmanager
     def _reaching(self, op: str) -> Iterator[None]:
@@ -115,46 +134,13 @@ class C10dBackend(StoreBackend):
             yield
         except STORE_ERRORS as exc:
             raise StoreUnavailableError(
-                f"the embedded c10d store at {self._where()} failed during {op} "
+                f"the embedded c10d store at {self._settings.endpoints[0]} failed during {op} "
                 f"({exc}); its host agent may have died") from exc
 
     def _run(self, op: str, call: Callable[[], _T]) -> _T:
-        """``call`` on the store; with several candidates, once more where the store went
-        if it failed (``StoreUnavailableError`` when it went nowhere within the timeout)."""
-        placement = self._placement
-        if placement is None:
-            with self._reaching(op):
-                return call()
-        self._follow()
-        try:
-            return call()
-        except STORE_ERRORS as exc:
-            self._reconnect(str(exc))
+        """``call`` on the store, its errors reported as the contract's."""
         with self._reaching(op):
             return call()
-
-    def _follow(self) -> None:
-        """Reconnect if another backend of this agent moved the store since we last looked."""
-        placement = self._placement
-        if placement is not None and self._epoch != placement.epoch:
-            self._reconnect("")
-
-    def _reconnect(self, why: str) -> None:
-        """A new connection to the store: where another backend of this agent found it, or
-        here, or, if it is gone, where the search finds it. Only one thread searches."""
-        placement = self._placement
-        assert placement is not None
-        with placement.lock, self._reaching("reconnect"):
-            if self._epoch == placement.epoch and placement.server is not None:
-                store = placement.client_here()  # we serve it: only our connection broke
-            else:
-                store = placement.connect_current(why or "it does not answer")
-            self._attach(store)
-            self._epoch = placement.epoch
-
-    def _saw(self, raw: bytes) -> None:
-        if self._placement is not None:
-            self._placement.last_state = raw
 
     def get_state(self) -> tuple[bytes, Token] | None:
         def read() -> tuple[bytes, Token] | None:
@@ -163,7 +149,6 @@ class C10dBackend(StoreBackend):
             if raw is None:
                 return None
             state = decode_state(raw)
-            self._saw(raw)
             self._seq_at = (raw, seq)
             return state, raw
         return self._run("get_state", read)
@@ -194,14 +179,11 @@ class C10dBackend(StoreBackend):
         def write() -> tuple[bytes, Token, bool] | None:
             result = bytes(self._store.compare_set(STATE_KEY, token or b"", new_raw))
             if result == new_raw:
-                self._saw(new_raw)
                 self._seq_at = (new_raw, self._store.add(_STATE_SEQ, 1))  # wakes waiters
                 return state, new_raw, True
             if token and result == token and not self._store.check([STATE_KEY]):
                 return None  # the key vanished; compare_set echoes the expected value
-            decoded = decode_state(result)
-            self._saw(result)
-            return decoded, result, False
+            return decode_state(result), result, False
         return self._run("set_state", write)
 
     def state_version(self) -> object | None:
@@ -299,10 +281,6 @@ class C10dBackend(StoreBackend):
         return self._run("read_beats", read)
 
     def round_store(self, generation: str, round_: int) -> Store:
-        try:
-            self._follow()
-        except StoreUnavailableError as exc:  # its operations will fail as torch's do
-            logger.warning("etcd-ext: %s", exc)
         return PrefixStore(f"round/{generation}/{round_}/", self._prefixed)
 
     def drop_round_stores(self, generation: str, keep_from_round: int) -> None:
@@ -312,22 +290,9 @@ class C10dBackend(StoreBackend):
         raise ConfigError("listing runs needs etcd: the embedded store cannot enumerate keys")
 
     def clone(self) -> C10dBackend:
-        placement = self._placement
-        if placement is not None:
-            with placement.lock, self._reaching("connect"):
-                return C10dBackend(self._settings, placement.connect_current(),
-                                   placement=placement)
         endpoint = self._settings.endpoints[0]
         with self._reaching("connect"):
             client = TCPStore(endpoint.host, self._tcp.port, is_master=False,
                               wait_for_workers=False, multi_tenant=True,
                               timeout=timedelta(seconds=self._settings.timeouts.connect))
         return C10dBackend(self._settings, client)
-
-    def close(self) -> None:
-        """With several candidates, the backend ``connect`` returned stops serving the
-        store if this agent hosts it (the other agents move; this agent is leaving); with
-        one endpoint the store lives as long as the process, as before."""
-        if self._placement is not None and self._owner:
-            with self._placement.lock:
-                self._placement.server = None

@@ -187,9 +187,8 @@ class JoinSession:
 
     def _wait_out_outage(self, exc: StoreUnavailableError, deadline: float) -> None:
         """Inside a rendezvous an outage is waited out until the join deadline when the
-        store can come back (an etcd cluster, an embedded store with other candidate
-        hosts to move to); a lone embedded store does not, so losing it ends the
-        rendezvous at once."""
+        store can come back (etcd); the embedded store dies with its host, so losing it
+        ends the rendezvous at once."""
         if not self._backend.outages_are_transient or self._clock.monotonic() > deadline:
             raise exc
         logger.warning("etcd-ext: store unreachable, still trying until the join timeout: %s",

@@ -37,9 +37,7 @@ CONF_KEYS: dict[str, tuple[str, str]] = {
     "connect_timeout": ("15", "seconds one store operation keeps retrying across endpoints; "
                               "an agent that cannot reach etcd at start fails after this with "
                               "the endpoints named (inside a rendezvous an etcd outage is "
-                              "waited out until `join_timeout`); with several embedded-store "
-                              "candidates, the longest one search for the next live host may "
-                              "take"),
+                              "waited out until `join_timeout`)"),
     "max_restarts": ("torchrun's `--max-restarts`",
                      "job-wide budget of worker-failure restarts, kept in the store; "
                      "membership changes are free"),
@@ -50,11 +48,8 @@ CONF_KEYS: dict[str, tuple[str, str]] = {
     "password_env": (DEFAULT_PASSWORD_ENV, "environment variable that holds the etcd password"),
     "password_file": ("", "file whose first line is the etcd password"),
     "is_host": ("auto", "c10d store only: whether this node hosts the embedded TCPStore "
-                        "(`auto`: the node whose address matches the endpoint tries). With "
-                        "several candidates (`c10d://node1:29400,node2:29400`) `auto` lets a "
-                        "node host the entries that name it: its `--local-addr`, or one of its "
-                        "host names or addresses (a loopback entry only when it equals "
-                        "`--local-addr` or none is given); `false`: never host"),
+                        "(`auto`: the node whose address matches the endpoint tries; `true`: "
+                        "this node hosts; `false`: it only connects)"),
     "events_file": ("", "append one JSON line per rendezvous event of this agent to this file "
                         "(for tools and audits; see `elastic_ext/rendezvous/events.py`)"),
     "metrics_port": ("", "serve this agent's Prometheus metrics on this port of every "
@@ -103,7 +98,7 @@ class TlsSettings:
 @dataclass(frozen=True)
 class Settings:
     store: str  # "etcd" or "c10d"
-    endpoints: tuple[Endpoint, ...]  # etcd's members; c10d: candidate hosts, in order
+    endpoints: tuple[Endpoint, ...]  # etcd's members; c10d: its one host
     scheme: str  # "http" or "https" for etcd; "tcp" for c10d
     key_prefix: str
     run_id: str
@@ -212,21 +207,16 @@ def parse_endpoints(text: str, default_port: int) -> tuple[str | None, tuple[End
     return scheme, tuple(endpoints)
 
 
-def _check_c10d_candidates(endpoints: tuple[Endpoint, ...], conf: Mapping[str, Any]) -> None:
-    """The embedded store's candidate hosts: each once, and no single forced host."""
-    seen: set[tuple[str, int]] = set()
-    for endpoint in endpoints:
-        key = (endpoint.host.lower(), endpoint.port)
-        if key in seen:
-            raise ConfigError(f"--rdzv-endpoint names {endpoint} twice: list each candidate "
-                              "host of the embedded c10d store once, in the order they take "
-                              "over, e.g. c10d://node1:29400,node2:29400,node3:29400")
-        seen.add(key)
-    if len(endpoints) > 1 and _bool_or_auto("is_host", conf.get("is_host", "auto")):
-        raise ConfigError("--rdzv-conf is_host=true names the one host of a single c10d "
-                          "endpoint; with several candidates each node hosts the entries that "
-                          "name it (its --local-addr or host name): leave is_host=auto, or set "
-                          "is_host=false on nodes that must never host")
+def _check_one_c10d_host(endpoints: tuple[Endpoint, ...]) -> None:
+    """The embedded store lives in one agent: a list of hosts would promise a failover
+    it does not have. High availability is etcd's, so the error points there."""
+    if len(endpoints) > 1:
+        listed = "c10d://" + ",".join(str(e) for e in endpoints)
+        raise ConfigError(
+            f"--rdzv-endpoint={listed} names {len(endpoints)} hosts, but the embedded c10d "
+            "store has one host (c10d://HOST:PORT) and dies with it; for a store that survives "
+            "a node use etcd: a 3-member cluster (deploy/local/etcd-cluster.sh, deploy/slurm/, "
+            "deploy/k8s/) and --rdzv-endpoint=host1:2379,host2:2379,host3:2379")
 
 
 def _read_password(conf: Mapping[str, Any], user: str | None) -> str | None:
@@ -283,7 +273,7 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
         if scheme not in {None, "c10d", "tcp"}:
             raise ConfigError(f"store c10d takes a c10d://HOST:PORT endpoint, not {scheme}://")
         endpoints = endpoints or (Endpoint("127.0.0.1", DEFAULT_C10D_PORT),)
-        _check_c10d_candidates(endpoints, conf)
+        _check_one_c10d_host(endpoints)
         wire_scheme = "tcp"
     else:
         if scheme not in {None, "etcd", "http", "https", "etcds"}:
