@@ -368,6 +368,7 @@ NETNS = netns.unavailable()
 
 
 @pytest.mark.slow
+@pytest.mark.netns  # its partitions build network namespaces
 @pytest.mark.timeout(600)
 def test_a_two_minute_soak(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     kinds = tuple(k for k in soak.DEFAULT_KINDS if NETNS is None or k != "partition")

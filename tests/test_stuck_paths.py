@@ -67,6 +67,7 @@ at step 35: freeze node other for 15s
     assert "the job finished while this node was away" in log
 
 
+@pytest.mark.netns
 @pytest.mark.skipif(NETNS_REASON is not None,
                     reason=f"no network namespaces here: {NETNS_REASON}")
 @pytest.mark.timeout(300)

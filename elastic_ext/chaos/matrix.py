@@ -17,7 +17,11 @@ _COMMON = """\
 steps = {steps}
 snapshot-every = 10
 step-delay = 0.05
+rdzv-conf = last_call_timeout=5
 """
+"""``last_call_timeout=5``: nodes started together form one round even on a slow machine
+(the default 1 s closes a round before a late starter arrives); rounds after a fault still
+close at once, since the dead are known and the live rejoin at once."""
 
 SCENARIOS: dict[str, str] = {
     "kill-worker": """\
@@ -118,7 +122,9 @@ when stopped: start all
 
 # Long enough that training goes on well past the end of the fault: a frozen or cut-off
 # node must wake up while the job still runs, to rejoin it.
-STEPS = {"etcd-outage": 400, "disk-full": 200, "freeze": 300, "partition": 300}
+# A joining node must be ready (its torchrun and warm-start server up: 10 s on a slow
+# machine) while the job still trains.
+STEPS = {"etcd-outage": 400, "disk-full": 200, "freeze": 300, "partition": 300, "join": 300}
 DEFAULT_STEPS = 120
 
 CI = ("kill-worker", "kill-rank0", "join", "preempt", "etcd-leader")
