@@ -2,9 +2,11 @@
 # The test command: installs what the tests need (CPU torch, the package, an etcd
 # server) on a fresh machine, runs ruff and mypy, then the whole suite.
 #
-#   bash tests/run.sh            the whole suite (what CI runs)
+#   bash tests/run.sh            the whole suite (what CI runs), on two workers
 #   bash tests/run.sh --fast     ruff, mypy and every test that starts no torchrun agent,
 #                                etcd server or network namespace, on two workers
+# Tests that build network namespaces share one xdist group and run one at a time
+# (tests/conftest.py).
 # Further arguments go to pytest (e.g. -k NAME, or a test file after --fast).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +41,8 @@ python3 -m mypy
 
 if [ "$fast" = 1 ]; then
   export ELASTIC_EXT_FAST_LANE=1  # tests/conftest.py fails a test that starts a real part
-  exec python3 -m pytest -q -p no:cacheprovider -n 2 \
+  exec python3 -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup \
     -m "not slow and not etcd and not slurm and not netns and not chaos_full" "$@" tests
 fi
-exec python3 -m pytest -q -p no:cacheprovider --durations=25 -m "not chaos_full" "$@" tests
+exec python3 -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=25 \
+  -m "not chaos_full" "$@" tests

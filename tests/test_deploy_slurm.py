@@ -52,19 +52,24 @@ ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
          "DEADLINE", "PREEMPTED")
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmLab]:
+def built_lab(tmp_path_factory: pytest.TempPathFactory, nodes: int) -> Iterator[SlurmLab]:
+    """A SLURM lab of ``nodes`` nodes, torn down with every process it started."""
     try:
         check_host()
     except LabUnavailable as exc:
         pytest.skip(str(exc))
     ensure_packages()
-    processes = ProcessSet(tmp_path_factory.mktemp("slurm-lab") / "logs")
+    processes = ProcessSet(tmp_path_factory.mktemp(f"slurm-lab{nodes}") / "logs")
     try:
-        with SlurmLab(processes, nodes=2) as the_lab:
+        with SlurmLab(processes, nodes=nodes) as the_lab:
             yield the_lab
     finally:
         processes.cleanup()
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmLab]:
+    yield from built_lab(tmp_path_factory, nodes=2)
 
 
 @pytest.fixture
@@ -484,17 +489,7 @@ def test_a_requeued_job_starts_a_fresh_restart_budget(lab: SlurmLab, job_dir: Pa
 @pytest.fixture
 def lab3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmLab]:
     """A 3-node lab of its own (the module's has 2): the job that starts a 3-member etcd."""
-    try:
-        check_host()
-    except LabUnavailable as exc:
-        pytest.skip(str(exc))
-    ensure_packages()
-    processes = ProcessSet(tmp_path_factory.mktemp("slurm-lab3") / "logs")
-    try:
-        with SlurmLab(processes, nodes=3) as the_lab:
-            yield the_lab
-    finally:
-        processes.cleanup()
+    yield from built_lab(tmp_path_factory, nodes=3)
 
 
 _ETCD_LEADER = """

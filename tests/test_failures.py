@@ -82,7 +82,9 @@ def test_a_hung_node_is_dropped_and_rejoins_when_it_wakes(tmp_path):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("store", ["embedded"])  # on etcd: the chaos matrix's "join"
 def test_a_node_started_mid_run_joins_the_training(tmp_path, store):
-    with LocalJob(trainer_spec(tmp_path, steps=150, store=store), tmp_path).start(2) as job:
+    # 300 steps: the newcomer (its torchrun and warm-start server take up to 10 s on a slow
+    # machine) must arrive while the job still trains
+    with LocalJob(trainer_spec(tmp_path, steps=300, store=store), tmp_path).start(2) as job:
         first = wait_for_step(metrics(tmp_path), after=0, world_size=2, timeout=120)
         job.add_node()
         joined = wait_for_step(metrics(tmp_path), after=first["time"], world_size=3, timeout=60)

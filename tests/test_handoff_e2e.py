@@ -28,12 +28,15 @@ MEMORY = ("peer", "local")
 
 
 def spec(tmp: Path, *, extra: tuple[str, ...] = (), nnodes: str = "2:3",
-         run_id: str = "handoff", max_restarts: int = 0) -> JobSpec:
-    command = ["-m", "trainer", *BASE_ARGS, "--steps", "150",
+         run_id: str = "handoff", max_restarts: int = 0, steps: int = 150) -> JobSpec:
+    """The job; ``last_call_timeout=5`` so that nodes started together form one round
+    even on a slow machine."""
+    command = ["-m", "trainer", *BASE_ARGS, "--steps", str(steps),
                "--snapshot-dir", str(tmp / "{node}" / "snapshots"), "--snapshot-every", "10",
                "--metrics", str(tmp / "metrics.jsonl"), "--record-samples",
                str(tmp / "samples.jsonl"), "--step-delay", "0.05", *extra]
-    return JobSpec(command=command, nnodes=nnodes, run_id=run_id, max_restarts=max_restarts)
+    return JobSpec(command=command, nnodes=nnodes, run_id=run_id, max_restarts=max_restarts,
+                   rdzv_conf="last_call_timeout=5")
 
 
 def events(tmp: Path, kind: str | None = None) -> list[dict[str, Any]]:
@@ -74,8 +77,10 @@ def per_step_batches(records: list[dict[str, Any]]) -> dict[int, list[int]]:
 @pytest.mark.timeout(300)
 def test_deaths_and_a_join_with_a_directory_per_node_lose_at_most_the_step_in_flight(
         tmp_path: Path, processes: ProcessSet) -> None:
-    ref = reference(processes, tmp_path, 2, (*BASE_ARGS, "--steps", "150"))
-    with LocalJob(spec(tmp_path), tmp_path).start(3) as job:
+    # 300 steps: the joining node (its torchrun and warm-start server take up to 10 s on a
+    # slow machine) must arrive while the job still trains
+    ref = reference(processes, tmp_path, 2, (*BASE_ARGS, "--steps", "300"))
+    with LocalJob(spec(tmp_path, steps=300), tmp_path).start(3) as job:
         wait_world(tmp_path, 3)
         wait_until(lambda: events(tmp_path, "step")[-1]["step"] >= 15, 60, what="step 15")
         victim = not_rank0(job)
@@ -114,9 +119,9 @@ def test_deaths_and_a_join_with_a_directory_per_node_lose_at_most_the_step_in_fl
     records = [e for e in read_json_lines(tmp_path / "samples.jsonl")]
     chosen = per_step_batches(records)
     expected = per_step_batches(ref.samples)
-    assert sorted(chosen) == sorted(expected) == list(range(1, 151))
+    assert sorted(chosen) == sorted(expected) == list(range(1, 301))
     assert chosen == expected
-    assert events(tmp_path, "done")[-1]["step"] == 150
+    assert events(tmp_path, "done")[-1]["step"] == 300
 
 
 @pytest.mark.timeout(300)

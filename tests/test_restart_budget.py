@@ -67,7 +67,9 @@ def test_a_lost_node_costs_no_restart_even_with_max_restarts_zero(tmp_path):
 @pytest.mark.timeout(180)
 def test_a_joining_node_costs_no_restart_even_with_max_restarts_zero(tmp_path):
     metrics = tmp_path / "m.jsonl"
-    spec = loop_spec(metrics, steps=80, max_restarts=0)
+    # 300 steps of 0.05 s: the newcomer (its torchrun alone takes seconds to start on a slow
+    # machine) must arrive while the job still trains
+    spec = loop_spec(metrics, steps=300, max_restarts=0)
     with LocalJob(spec, tmp_path).start(2) as job:
         wait_for_step(metrics, after=0, world_size=2, timeout=90)
         job.add_node()
