@@ -1,3 +1,4 @@
+#!/bin/bash
 # node-addr.sh -- sourced by torchrun-node.sh and etcd-member.sh (bash): this node's
 # address on the training network, the one torchrun's --local-addr and the job's etcd
 # member use, so that every node is named by the same address everywhere.

@@ -123,8 +123,8 @@ when stopped: start all
 # Long enough that training goes on well past the end of the fault: a frozen or cut-off
 # node must wake up while the job still runs, to rejoin it.
 # A joining node must be ready (its torchrun and warm-start server up: 10 s on a slow
-# machine) while the job still trains.
-STEPS = {"etcd-outage": 400, "disk-full": 200, "freeze": 300, "partition": 300, "join": 300}
+# machine, 14 s on a busy one) while the job still trains.
+STEPS = {"etcd-outage": 400, "disk-full": 200, "freeze": 300, "partition": 300, "join": 500}
 DEFAULT_STEPS = 120
 
 CI = ("kill-worker", "kill-rank0", "join", "preempt", "etcd-leader")
