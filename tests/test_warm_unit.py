@@ -99,17 +99,31 @@ def framed(payload: bytes) -> bytes:
     b"\x00\x00",  # half a header
 ], ids=["oversized", "not-json", "not-an-object", "not-utf8", "nested-too-deep", "truncated",
         "short-header"])
-def test_garbage_is_a_protocol_error_and_its_descriptors_are_closed(raw: bytes) -> None:
+def test_garbage_is_a_protocol_error_and_its_descriptors_are_closed(
+        raw: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    received: list[int] = []
+    real_recv_fds = socket.recv_fds
+
+    def recording_recv_fds(*args: Any, **kwargs: Any) -> Any:
+        result = real_recv_fds(*args, **kwargs)
+        received.extend(result[1])
+        return result
+
+    # The received copies themselves, not the process's whole fd table: a thread another
+    # test left running may open or close a descriptor meanwhile.
+    monkeypatch.setattr(socket, "recv_fds", recording_recv_fds)
     a, b = socket.socketpair()
     r, w = os.pipe()
     try:
-        before = open_fds()
         socket.send_fds(a, [raw[:1]], [r, w])
         a.sendall(raw[1:])
         a.shutdown(socket.SHUT_WR)
         with pytest.raises(ProtocolError):
             recv_message(b, max_fds=3)
-        assert open_fds() == before  # the received copies were closed
+        assert len(received) == 2
+        for fd in received:  # the received copies were closed
+            with pytest.raises(OSError):
+                os.fstat(fd)
     finally:
         for closable in (a, b):
             closable.close()
