@@ -46,10 +46,6 @@ def a_request(**changes: Any) -> RunRequest:
     return RunRequest(**fields)
 
 
-def open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
-
-
 # --- the wire format ---------------------------------------------------------------
 
 
