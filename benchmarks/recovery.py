@@ -9,6 +9,10 @@ seconds from the fault to the first training step in the new world:
   hung        SIGSTOP a whole node that is not rank 0
   scale-up    start a third node while 2 of 2:3 train (from its agent reaching the
               rendezvous, i.e. its "Rendezvous'ing worker group" log line)
+  notice      SIGUSR2 (a preemption notice) to the agent and workers of a node that is
+              not rank 0, as one node's own SLURM job gets it
+  term-rank0  SIGTERM to the agent alone of the node that hosts group rank 0 (a
+              Kubernetes pod deleted)
 
 Modes: ``stock`` (torchrun's own c10d backend), ``cold`` (etcd-ext with
 ``--rdzv-conf warm_start=off``) and ``warm`` (etcd-ext's default). For etcd-ext the
@@ -34,10 +38,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import re
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +54,7 @@ from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.local.job import JobSpec, LocalJob, Node, wait_for_step
 from elastic_ext.rendezvous.events import EventKind
 
-SCENARIOS = ("dead", "dead-rank0", "hung", "scale-up")
+SCENARIOS = ("dead", "dead-rank0", "hung", "scale-up", "notice", "term-rank0")
 MODES = ("stock", "cold", "warm")
 PHASES = ("detect", "stop", "round", "spawn", "launch", "pg-init", "restore", "step")
 
@@ -71,6 +78,9 @@ class Outcome:
     paused: float | None = None
     """Seconds between the old world's last step and the new world's first: what the
     job lost (for a scale-up, the fault-to-step time also counts the newcomer's start)."""
+    victim_exit: tuple[int, float] | None = None
+    """For a notice or a SIGTERM: the signalled node's agent's exit status, and seconds
+    from the fault to its exit."""
 
 
 def _times(nodes: list[Node], kind: EventKind, after: float) -> list[float]:
@@ -119,15 +129,28 @@ def one_run(mode: str, scenario: str, workdir: Path, timeout: float,
         elif scenario == "hung":
             victim = job.other_node(job.rank0_node())
             victim.freeze()
+        elif scenario == "notice":
+            victim = job.other_node(job.rank0_node())
+            for pid in [victim.proc.pid, *victim.worker_pids()]:
+                os.kill(pid, signal.SIGUSR2)
+        elif scenario == "term-rank0":
+            victim = job.rank0_node()
+            os.kill(victim.proc.pid, signal.SIGTERM)
         else:
             victim = job.add_node()
         if scenario != "scale-up":
             survivors.remove(victim)
+        exited: list[tuple[int, float]] = []
+        watcher = threading.Thread(target=lambda: exited.append(
+            (victim.proc.popen.wait(), time.time() - fault_at)), daemon=True)
+        if scenario in ("notice", "term-rank0"):
+            watcher.start()
         target = 3 if scenario == "scale-up" else 2
         try:
             event = wait_for_step(metrics, after=fault_at, world_size=target, timeout=timeout)
         except TimeoutError:
             return Outcome(None)
+
         if scenario == "scale-up":
             reached = rendezvous_reached(victim.proc.output())
             fault_at = reached if reached is not None else fault_at
@@ -135,7 +158,9 @@ def one_run(mode: str, scenario: str, workdir: Path, timeout: float,
         old_steps = [e["time"] for e in read_json_lines(metrics) if e.get("event") == "step"
                      and e["world_size"] == start_nodes and e["time"] < event["time"]]
         paused = event["time"] - max(old_steps) if old_steps else None
-        return Outcome(event["time"] - fault_at, phases, paused)
+        if watcher.is_alive():
+            watcher.join(timeout=30)  # the signalled agent's exit, if it comes
+        return Outcome(event["time"] - fault_at, phases, paused, exited[0] if exited else None)
 
 
 def _fmt(values: list[float]) -> tuple[str, str, str]:
@@ -185,6 +210,18 @@ def main(argv: list[str] | None = None) -> int:
             shown = f"{statistics.median(paused):.2f}" if paused else "-"
             print(f"| {scenario} | {label[mode]} | {len(outcomes)} | {median} | {low} | {high} | "
                   f"{len(outcomes) - len(ok)} | {shown} |")
+    exits = [(scenario, mode, o.victim_exit) for scenario in scenarios for mode in modes
+             for o in results.get((mode, scenario), []) if o.victim_exit is not None]
+    if exits:
+        print("\nThe signalled node's agent: exit status, seconds from the fault to its exit\n")
+        print("| scenario | mode | exits |")
+        print("|---|---|---|")
+        for scenario in scenarios:
+            for mode in modes:
+                exit_texts = [f"{code} after {after:.1f}s" for s, m, (code, after) in exits
+                              if (s, m) == (scenario, mode)]
+                if exit_texts:
+                    print(f"| {scenario} | {label[mode]} | {'; '.join(exit_texts)} |")
     print("\nWhere the time goes (etcd-ext; medians in seconds; see the module docstring)\n")
     print("| scenario | mode | " + " | ".join(PHASES) + " | total |")
     print("|---|---|" + "---|" * (len(PHASES) + 1))

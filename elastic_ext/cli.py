@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 # subcommand -> module with ``add_arguments(parser)`` and ``run(args) -> int``
@@ -32,7 +34,22 @@ def main(argv: list[str] | None = None) -> int:
         module.add_arguments(sub_parser, name)
         sub_parser.set_defaults(_run=module.run)
     args = parser.parse_args(argv)
-    return int(args._run(args))
+    try:
+        code = int(args._run(args))
+        sys.stdout.flush()  # a pipe closed early shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        return _reader_went_away()
+
+
+def _reader_went_away() -> int:
+    """``elastic-ext report FILE | head``: the reader closed the pipe, which is not an
+    error of ours. Standard output goes to /dev/null so that the interpreter's final
+    flush fails silently too; the status is the one a process killed by SIGPIPE has."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

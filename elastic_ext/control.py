@@ -24,6 +24,7 @@ import shutil
 import signal
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -39,6 +40,8 @@ _SETUP_FAULT = "setup-"
 _LEAVING = "leaving-"
 _PROGRESS = "progress-"
 _PREEMPT = "preempt"
+_NOTICE = "notice"
+_DONE = "done"
 _DIR_PREFIX = "elastic-ext-ctl-"
 _DIR_RE = re.compile(rf"^{_DIR_PREFIX}(\d+)-")
 _NODE_MEMORY = Path("/dev/shm")
@@ -98,6 +101,8 @@ class AgentControl:
             atexit.register(self.close)
         self.path = path
         (self.path / STATE_SUBDIR).mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.on_notice: Callable[[], None] | None = None
+        """Called after the agent's own notice is recorded (the keeper acts on it at once)."""
 
     def publish_round(self, round_: int) -> None:
         for stale in [*self.path.glob("fault-*"), *self.path.glob(f"{_PEER_LOST}*"),
@@ -107,15 +112,23 @@ class AgentControl:
         _atomic_write(self.path / _ROUND_FILE, str(round_))
 
     def publish_preemption(self, why: str) -> None:
-        """Remember a preemption notice for this agent's life: the workers running now see
-        it at their next step boundary, workers started later at their first."""
+        """Tell the workers to stop at their next step boundary with a durable snapshot,
+        for this agent's life: the workers running now see it at their next boundary,
+        workers started later at their first (the whole job stops: ``drain.py``)."""
         _atomic_write(self.path / _PREEMPT, why[:100])
 
+    def notice(self) -> str | None:
+        """The preemption notice this node got (the agent's signal, or a worker's report),
+        if any; the keeper settles it with the other nodes' (``drain.py``)."""
+        try:
+            return (self.path / _NOTICE).read_text() or "preemption notice"
+        except OSError:
+            return None
+
     def catch_preemption(self, signum: int = signal.SIGUSR2) -> bool:
-        """In the agent: record ``signum`` (SLURM's advance notice) with
-        :meth:`publish_preemption` instead of dying of it or ignoring it, so a notice
-        that comes between rounds or while workers start reaches them. Leaves a handler
-        someone else installed alone; False when it did not install one."""
+        """In the agent: record ``signum`` (SLURM's advance notice) as this node's notice
+        (:meth:`notice`) instead of dying of it or ignoring it. Leaves a handler someone
+        else installed alone; False when it did not install one."""
         if threading.current_thread() is not threading.main_thread():
             return False
         if signal.getsignal(signum) not in (signal.SIG_DFL, signal.SIG_IGN):
@@ -123,12 +136,11 @@ class AgentControl:
         name = signal.Signals(signum).name
 
         def record(received: int, frame: FrameType | None) -> None:
-            try:
-                self.publish_preemption(f"{name} to the agent")
-            except OSError as exc:
-                logger.warning("could not record the %s preemption notice: %s", name, exc)
-            logger.warning("etcd-ext: %s received: the workers stop at their next step "
-                           "boundary (those starting: at their first)", name)
+            if _record_notice(self.path, f"{name} to the agent"):
+                logger.warning("etcd-ext: %s received: this node leaves the job, or the whole "
+                               "job stops with a snapshot if the others would be too few", name)
+                if self.on_notice is not None:
+                    self.on_notice()
 
         signal.signal(signum, record)
         return True
@@ -142,6 +154,10 @@ class AgentControl:
     def progress_reported(self, round_: int) -> bool:
         """Whether a worker of ``round_`` completed a training step (``report_progress``)."""
         return (self.path / f"{_PROGRESS}{round_}").exists()
+
+    def done_reported(self) -> bool:
+        """Whether a worker said training completed (``report_done``)."""
+        return (self.path / _DONE).exists()
 
     def publish_leaving(self, round_: int, reason: str) -> None:
         """Tell the workers of ``round_`` that the SIGTERM coming is this agent restarting
@@ -237,8 +253,8 @@ def report_progress() -> None:
 
 
 def preemption_requested() -> str | None:
-    """In a worker: the preemption notice its agent received, if any (a signal that came
-    between rounds, or while this worker started)."""
+    """In a worker: why its agent says the whole job stops with a durable snapshot
+    (:meth:`AgentControl.publish_preemption`), if it does."""
     path = os.environ.get(CONTROL_DIR_ENV)
     if not path:
         return None
@@ -246,6 +262,50 @@ def preemption_requested() -> str | None:
         return (Path(path) / _PREEMPT).read_text() or "preemption"
     except OSError:
         return None
+
+
+def agent_listens() -> bool:
+    """In a worker: whether an etcd-ext agent started it (and so takes its notices)."""
+    return bool(os.environ.get(CONTROL_DIR_ENV))
+
+
+def report_done() -> bool:
+    """In a worker: training completed, its last step is done. Only this tells the agent
+    that the job finished: a worker that exits 0 may have been stopped (a preemption).
+    False if no etcd-ext agent listens."""
+    path = os.environ.get(CONTROL_DIR_ENV)
+    if not path:
+        return False
+    try:
+        _atomic_write(Path(path) / _DONE, "")
+    except OSError as exc:
+        logger.warning("could not tell the agent that training completed: %s", exc)
+        return False
+    return True
+
+
+def report_notice(why: str) -> bool:
+    """In a worker: a preemption notice reached this worker (its guard's handler, or the
+    warm-start server's until the script installs its own). The agent settles it with the
+    other nodes' notices (``drain.py``) and tells the workers what to do. False if no
+    etcd-ext agent listens."""
+    path = os.environ.get(CONTROL_DIR_ENV)
+    if not path:
+        return False
+    return _record_notice(Path(path), why)
+
+
+def _record_notice(directory: Path, why: str) -> bool:
+    """Record a node's notice once (the first one says when); False if it cannot be."""
+    target = directory / _NOTICE
+    if target.exists():
+        return True
+    try:
+        _atomic_write(target, why[:100])
+    except OSError as exc:
+        logger.warning("could not record the preemption notice (%s): %s", why, exc)
+        return False
+    return True
 
 
 def local_state_dir() -> Path | None:

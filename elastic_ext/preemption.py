@@ -2,7 +2,11 @@
 
 SIGTERM, SIGINT and SIGUSR2 only set a flag; at the next step boundary all ranks
 agree through one small all-reduce (fused with whatever the loop reduces anyway)
-and, if any rank was signalled, commit a snapshot together and leave.
+and, if any rank was signalled, commit a snapshot together and leave. Under an
+etcd-ext agent, a SIGUSR2 (a preemption notice) is the node's, not the job's: the
+worker passes it to its agent, which decides with the other nodes whether this node
+leaves while the others train on, or the whole job stops (``rendezvous/drain.py``),
+and then tells the workers (a restart's SIGTERM, or the stop the guard reads here).
 
 A Python signal handler runs only when the main thread returns to the interpreter,
 and a worker whose peer is dead or frozen may sit in a C++ collective until it
@@ -171,12 +175,13 @@ class PreemptionGuard:
         return self
 
     def _take_agent_notice(self) -> None:
-        """A preemption notice the agent got (between rounds, while this worker started, or
-        sent to the agent alone) counts as this worker's own signal."""
+        """The stop the agent published (the whole job stops after a preemption notice,
+        ``rendezvous/drain.py``; before this worker started, or while it runs) counts as
+        this worker's own signal."""
         notice = control.preemption_requested()
-        if notice is not None and self.settings.preempt_signals:
-            logger.info("the agent received a preemption notice (%s): stopping at the next "
-                        "step boundary", notice)
+        if notice is not None and self.settings.preempt_signals and self._signalled is None:
+            logger.info("the job stops (%s): stopping at the next step boundary with a "
+                        "snapshot", notice)
             self._note(self.settings.preempt_signals[0])
 
     def uninstall(self) -> None:
@@ -250,8 +255,13 @@ class PreemptionGuard:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # No locks here: the handler may run inside any bytecode of the main thread, even one
         # holding a lock it would need. The watchdog, woken by the same signal, does the rest.
-        if self._signalled is None:
+        if self._signalled is None and not self._passed_to_agent(signum):
             self._signalled = signum
+
+    def _passed_to_agent(self, signum: int) -> bool:
+        """Whether ``signum`` is a notice this worker's etcd-ext agent takes (the watchdog
+        passes it on): it does not stop the job by itself."""
+        return signum in self.settings.preempt_signals and control.agent_listens()
 
     def _watch(self) -> None:
         assert self._reader is not None
@@ -279,6 +289,11 @@ class PreemptionGuard:
                     return
                 for signum in data:
                     if signum not in self.handled_signals:
+                        continue
+                    if self._passed_to_agent(signum) and \
+                            control.report_notice(f"{signal.Signals(signum).name} to a worker"):
+                        logger.info("got %s: passed to the etcd-ext agent, which settles it "
+                                    "with the other nodes", signal.Signals(signum).name)
                         continue
                     self._note(signum)
                     candidate = time.monotonic() + self._grace(signum)
@@ -349,6 +364,11 @@ class PreemptionGuard:
         return Agreement(stop=stop, values=summed,
                          restart=stop and bool(flags[1].item() == flags[0].item()))
 
+    def done(self) -> None:
+        """The last step is done: tell the etcd-ext agent that training completed. Only this
+        marks the job finished; a worker that exits 0 may have been stopped."""
+        control.report_done()
+
     def begin_commit(self) -> None:
         """Stand the watchdog down for a commit that is not the result of :meth:`agree`
         (the last one)."""
@@ -366,7 +386,12 @@ class PreemptionGuard:
         logger.info("a peer was signalled; waiting up to %.0fs for this worker's own signal",
                     self.settings.hold_timeout_s)
         self._begin_hold(code_on_signal=0)
-        if self._wait_for_signal(self.settings.hold_timeout_s) is not None:
+        deadline = time.monotonic() + self.settings.hold_timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if self._wait_for_signal(min(left, _PEER_LOST_POLL_S)) is not None:
+                return 0
+            self._take_agent_notice()  # the agent's stop counts as this worker's signal
+        if self._signalled is not None:
             return 0
         logger.error("no signal reached this worker within %.0fs after the preemption snapshot",
                      self.settings.hold_timeout_s)

@@ -15,9 +15,10 @@ import atexit
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any, NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -25,11 +26,23 @@ LAUNCH_AGENT = "torch.distributed.launcher.api.launch_agent"
 ARGS_PARSER = "torch.distributed.run.get_args_parser"
 MATCHES_HOSTNAME = "torch.distributed.elastic.rendezvous.utils._matches_machine_hostname"
 SIGNAL_EXCEPTION = "torch.distributed.elastic.multiprocessing.api.SignalException"
+EXIT_BARRIER_KEY = "torch.distributed.elastic.agent.server.api._TERMINAL_STATE_SYNC_ID"
+BARRIER_CHECK_IN = "torch.distributed.elastic.utils.store._barrier_nonblocking"
 
 STOPPED_LINE = ("torchrun stopped by {signal}: its workers got it too (the bundled trainer, and "
                 "loops using elastic_ext.preemption, save a snapshot and exit 0); torchrun "
                 "itself exits 1 after a signal, which a plugin cannot change")
 _quiet_exit_installed = False
+_after_signal: Callable[[int], str | None] | None = None
+
+
+def on_agent_signal(callback: Callable[[int], str | None]) -> None:
+    """What to do when a signal stops torchrun's agent (``quiet_agent_exit``), after torch
+    stopped the workers and skipped the rendezvous shutdown: ``callback(signum)`` returns
+    the line to exit 0 with when this node's part ended well (it left and the others train
+    on), None to exit 1 as torch does."""
+    global _after_signal
+    _after_signal = callback
 
 
 def _torchrun_args(argv: Sequence[str] | None) -> argparse.Namespace | None:
@@ -107,6 +120,18 @@ def workers_succeeded() -> bool:
     return False
 
 
+def check_in_at_exit_barrier(store: Any, world_size: int) -> None:
+    """Count this agent in at torch's exit barrier of the round whose workers' ``store``
+    this is, as an agent whose workers finished does. An agent that leaves a round for
+    good (stopped by a signal) does, so that the others, whose workers finish, do not wait
+    ``exit_barrier_timeout`` (300 s) for it: torch's agent keeps the barrier in
+    ``EXIT_BARRIER_KEY`` and counts in with ``BARRIER_CHECK_IN``."""
+    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+    from torch.distributed.elastic.utils.store import _barrier_nonblocking
+
+    _barrier_nonblocking(store=store, world_size=world_size, key_prefix=_TERMINAL_STATE_SYNC_ID)
+
+
 def matches_machine_hostname(host: str) -> bool:
     """Whether ``host`` names this machine (loopback, its host name, or one of its addresses)."""
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
@@ -114,42 +139,63 @@ def matches_machine_hostname(host: str) -> bool:
     return bool(_matches_machine_hostname(host))
 
 
-def quiet_signal_exit() -> None:
-    """Print one line instead of a traceback when torchrun is stopped by a signal.
+def quiet_agent_exit() -> None:
+    """Print one line instead of a traceback when torchrun's agent ends for a reason the
+    message says in full: stopped by a signal, a ``--rdzv-conf`` or store error while
+    torchrun builds the handler, this node's part of the job over.
 
     torch's agent turns SIGINT and SIGTERM into ``SIGNAL_EXCEPTION``, which
-    ``LAUNCH_AGENT`` re-raises out of torchrun's ``main``; Python then prints a stack
-    trace and exits 1. The handler lives in the agent's process, so it can install an
-    ``excepthook`` that says what happened in one line; every other exception keeps
-    the hook it had. The exit status stays torch's 1.
+    ``LAUNCH_AGENT`` re-raises out of torchrun's ``main``, as it does any error of the
+    handler's construction; Python then prints a stack trace and exits 1. The handler
+    lives in the agent's process, so it can install an ``excepthook`` that says what
+    happened in one line; every other exception keeps the hook it had. The exit status
+    stays torch's 1, but for a node whose part ended well (0).
     """
     global _quiet_exit_installed
     if _quiet_exit_installed:
         return
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from elastic_ext.rendezvous.errors import JobFinishedError, NodeExcludedError
+    from elastic_ext.rendezvous.errors import (
+        ConfigError,
+        JobFinishedError,
+        NodeExcludedError,
+        NodeLeftError,
+        StoreAuthError,
+        StoreUnavailableError,
+    )
 
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        if isinstance(exc, (JobFinishedError, NodeExcludedError)):
-            # The message says it all; a finished job is no failure of this node (exit 0),
-            # a node the others cannot reach is (exit 1).
-            sys.stderr.write(f"{exc}\n")
-            atexit._run_exitfuncs()
-            sys.stderr.flush()
-            os._exit(0 if isinstance(exc, JobFinishedError) else 1)
+        if isinstance(exc, (JobFinishedError, NodeLeftError, NodeExcludedError)):
+            # The message says it all; a finished job, or leaving it on a notice while the
+            # others train on, is no failure of this node (exit 0), a node the others cannot
+            # reach is (exit 1).
+            _exit_with_line(str(exc), 1 if isinstance(exc, NodeExcludedError) else 0)
+        if isinstance(exc, (ConfigError, StoreAuthError, StoreUnavailableError)):
+            _exit_with_line(f"torchrun --rdzv-backend=etcd-ext: {exc}", 1)
         if isinstance(exc, SignalException):
-            sys.stderr.write(STOPPED_LINE.format(signal=signal.Signals(exc.sigval).name) + "\n")
-            # Leave without interpreter teardown, after the exit handlers (logging's, the
-            # agent's clean-up): torch's agent skips the rendezvous shutdown after a signal,
-            # and destroying its live C++ stores at teardown can abort the process
-            # ("terminate called without an active exception") instead of exiting 1.
-            atexit._run_exitfuncs()
-            sys.stderr.flush()
-            os._exit(1)
+            try:
+                left = _after_signal(exc.sigval) if _after_signal is not None else None
+            except Exception as error:  # the store may be gone too: exit as torch does
+                sys.stderr.write(f"etcd-ext: could not leave the run: {error}\n")
+                left = None
+            if left:
+                _exit_with_line(left, 0)
+            _exit_with_line(STOPPED_LINE.format(signal=signal.Signals(exc.sigval).name), 1)
         previous(kind, exc, tb)
 
     sys.excepthook = hook
     _quiet_exit_installed = True
+
+
+def _exit_with_line(line: str, code: int) -> NoReturn:
+    """Write ``line`` and leave without interpreter teardown, after the exit handlers
+    (logging's, the agent's clean-up): torch's agent skips the rendezvous shutdown after a
+    signal, and destroying its live C++ stores at teardown can abort the process
+    ("terminate called without an active exception") instead of exiting."""
+    sys.stderr.write(line + "\n")
+    atexit._run_exitfuncs()
+    sys.stderr.flush()
+    os._exit(code)

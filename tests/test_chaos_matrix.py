@@ -67,10 +67,14 @@ def _worlds(result: RunResult) -> list[int]:
 EXPECTED_WORLDS = {
     "kill-worker": [2], "kill-node": [3, 2], "kill-rank0": [3, 2], "freeze": [3, 2, 3],
     "etcd-follower": [2], "etcd-leader": [2], "etcd-outage": [2], "kill-all": [2], "join": [2, 3],
-    "preempt": [2], "disk-full": [2], "partition": [3, 2, 3],
+    "preempt": [2], "disk-full": [2], "partition": [3, 2, 3], "notice": [3, 2],
+    "notice-below-min": [2], "notice-spread": [3, 2, 3], "terminate-rank0": [3, 2],
 }
 NO_RESTART = {"etcd-follower", "etcd-leader", "etcd-outage", "disk-full"}
-NOTHING_LOST = {"join", "preempt", *NO_RESTART}
+NOTHING_LOST = {"join", "preempt", "notice", "notice-below-min", "notice-spread",
+                "terminate-rank0", *NO_RESTART}
+NOTICE_TO_TRAINING_S = 2.0
+"""Issue 23: from a notice to one node to the first step of the smaller world."""
 
 
 @pytest.mark.parametrize("name", list(_cases()))
@@ -97,3 +101,8 @@ def test_scenario(name: str, tmp_path: Path, reference_cache: Path,
         writer_logs = "".join(p.read_text(errors="replace") for p in result.logs.values()
                               if p.exists())
         assert "could not write the snapshot" in writer_logs  # the fault did hit a snapshot
+    if name == "notice":
+        assert result.observation is not None
+        notice = result.observation.faults[0].time
+        smaller = next(seg for seg in verdict.segments if seg.world_size == 2)
+        assert smaller.step_times[0] - notice <= NOTICE_TO_TRAINING_S, explain(result)

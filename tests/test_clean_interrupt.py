@@ -1,5 +1,6 @@
 """Ctrl-C (or SIGTERM) of the README's main job: the workers save, torchrun ends in one
-line, no traceback, and the same command resumes."""
+line, no traceback, and the same command resumes. A ``--rdzv-conf`` torchrun cannot build
+the handler with ends in one line too."""
 
 from __future__ import annotations
 
@@ -54,3 +55,24 @@ def test_a_stop_saves_ends_in_one_line_and_the_same_command_resumes(
     events = read_json_lines(metrics)
     assert of(events, "start")[-1]["resumed_from"] == saved
     assert of(events, "done")[-1]["step"] == 300
+
+
+@pytest.mark.parametrize("conf, message", [
+    ("heartbeat_interval=abc", "--rdzv-conf heartbeat_interval='abc' is not a number"),
+    ("metrics_port=9", "--rdzv-conf metrics_port needs prometheus-client"),
+], ids=["bad-number", "metrics-without-prometheus-client"])
+def test_a_bad_rdzv_conf_ends_torchrun_in_one_line_naming_the_fix(
+        processes: ProcessSet, tmp_path: Path, conf: str, message: str) -> None:
+    no_prometheus = tmp_path / "shadow" / "prometheus_client"
+    no_prometheus.mkdir(parents=True)  # as if not installed: its import fails
+    (no_prometheus / "__init__.py").write_text("raise ImportError('not installed')\n")
+    agent = processes.spawn("agent", [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--rdzv-backend=etcd-ext",
+        f"--rdzv-endpoint=c10d://127.0.0.1:{free_port('127.0.0.1')}", f"--rdzv-conf={conf}",
+        "-m", "trainer", "--steps", "1"], env=env(PYTHONPATH=str(no_prometheus.parent)))
+    code = finish(agent, 60)
+    output = agent.output()
+    assert code == 1, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("torchrun --rdzv-backend=etcd-ext: ") and message in last, output

@@ -9,6 +9,8 @@ sleeps or a test advances it, and the keeper ticks when the test says so.
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +24,9 @@ from elastic_ext.control import (
     CONTROL_DIR_ENV,
     AgentControl,
     peer_lost,
+    preemption_requested,
+    report_done,
+    report_notice,
     report_peer_failure,
     report_progress,
     report_setup_failure,
@@ -31,6 +36,7 @@ from elastic_ext.rendezvous import handler as handler_module
 from elastic_ext.rendezvous.errors import (
     JobFinishedError,
     NodeExcludedError,
+    NodeLeftError,
     RestartBudgetExhaustedError,
     StoreUnavailableError,
 )
@@ -480,11 +486,48 @@ def test_an_agent_that_gave_up_marks_the_budget_spent_for_everyone(make_lab) -> 
     assert lab.events("budget_spent") and lab.events("left")
 
 
-def test_a_clean_shutdown_of_the_last_node_removes_the_run(make_lab) -> None:
+def test_the_last_node_out_removes_a_finished_run_and_keeps_one_that_did_not_finish(
+        make_lab, monkeypatch: pytest.MonkeyPatch) -> None:
+    lab = make_lab()
+    lab.handler.next_rendezvous()
+    assert lab.handler.shutdown()  # not finished: a node that was away must read how it ended
+    assert lab.state().status is Status.ACTIVE and lab.peer.read_beats([ME]) == {ME: b"left"}
+    monkeypatch.setattr(handler_module, "workers_succeeded", lambda: True)
     lab = make_lab()
     lab.handler.next_rendezvous()
     assert lab.handler.shutdown()
     assert lab.peer.get_state() is None and lab.peer.read_beats([ME]) == {ME: None}
+
+
+@pytest.mark.parametrize("how", ["notice", "steps-without-done", "job-stopping", "leaving"])
+def test_workers_that_exit_0_without_completing_the_training_do_not_finish_the_run(
+        make_lab, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Issue 23: preempted workers exit 0 too; only training declares the finish."""
+    lab = make_lab(nnodes=(1, 2))
+    join_with_peer(lab)
+    monkeypatch.setattr(handler_module, "workers_succeeded", lambda: True)
+    monkeypatch.setenv(CONTROL_DIR_ENV, str(lab.control.path))
+    report_progress()  # workers that speak the protocol
+    lab.advance(0.5, beating=("peer",))
+    if how == "notice":
+        report_done()
+        report_notice("SIGUSR2 to a worker")
+    elif how == "job-stopping":
+        report_done()
+        lab.put_state(dataclasses.replace(lab.state(), stop="the whole job stops"))
+    elif how == "leaving":
+        report_done()
+        lab.put_state(dataclasses.replace(lab.state(), leaving={ME: "SIGUSR2 to the agent"}))
+    assert lab.handler.shutdown()
+    assert lab.state().status is Status.ACTIVE
+    if how == "steps-without-done":  # the same, once the workers say the training is done
+        lab = make_lab(nnodes=(1, 2))
+        join_with_peer(lab)
+        monkeypatch.setenv(CONTROL_DIR_ENV, str(lab.control.path))
+        report_progress()
+        lab.advance(0.5, beating=("peer",))
+        report_done()
+        assert lab.handler.shutdown() and lab.state().status is Status.FINISHED
 
 
 def test_a_closed_run_refuses_new_rounds(make_lab) -> None:
@@ -541,6 +584,56 @@ def test_an_agent_whose_workers_failed_does_not_mark_the_run_finished(make_lab) 
     join_with_peer(lab)
     assert lab.handler.shutdown()  # not under torchrun's launch_agent: no success to see
     assert lab.state().status is Status.ACTIVE
+
+
+# -- preemption notices (drain.py, notices.py) ---------------------------------------------
+def test_a_notice_to_this_node_makes_it_leave_while_the_others_train_on(
+        make_lab, monkeypatch: pytest.MonkeyPatch) -> None:
+    lab = make_lab(nnodes=(1, 3))
+    join_with_peer(lab)
+    monkeypatch.setenv(CONTROL_DIR_ENV, str(lab.control.path))
+    assert report_notice("SIGUSR2 to a worker")
+    lab.advance(0.5, beating=("peer",))
+    assert lab.state().notices == {ME: "SIGUSR2 to a worker"}
+    assert lab.handler.num_nodes_waiting() == 0  # settled with the others' notices first
+    lab.advance(0.5, beating=("peer",))
+    assert lab.state().leaving == {ME: "SIGUSR2 to a worker"} and not lab.state().stop
+    lab.advance(0.5, beating=("peer",))
+    assert lab.handler.num_nodes_waiting() == 1
+    assert lab.keeper.pressure.reason is Reason.MEMBERSHIP  # free for everyone
+    with pytest.raises(NodeLeftError, match="left the job on a preemption notice"):
+        lab.handler.next_rendezvous()
+    assert lab.events("notice") and lab.events("left_on_notice")
+    assert preemption_requested() is None  # the workers were not told to stop the job
+
+
+def test_a_notice_that_would_leave_fewer_than_min_stops_the_whole_job_with_a_snapshot(
+        make_lab, monkeypatch: pytest.MonkeyPatch) -> None:
+    lab = make_lab(nnodes=(2, 3))
+    join_with_peer(lab)
+    monkeypatch.setenv(CONTROL_DIR_ENV, str(lab.control.path))
+    lab.control.catch_preemption()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR2)  # to the agent's process (this one, here)
+    finally:
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+    lab.advance(1.5, beating=("peer",))
+    assert "fewer than --nnodes MIN=2" in lab.state().stop
+    assert preemption_requested() == lab.state().stop[:100]  # the workers commit and exit 0
+    assert lab.handler.num_nodes_waiting() == 0 and lab.events("job_stopping")
+
+
+def test_a_notice_the_store_cannot_take_stops_this_nodes_workers_with_a_snapshot(
+        make_lab, monkeypatch: pytest.MonkeyPatch) -> None:
+    lab = make_lab(nnodes=(1, 3))
+    join_with_peer(lab)
+    monkeypatch.setenv(CONTROL_DIR_ENV, str(lab.control.path))
+    report_notice("SIGUSR2 to a worker")
+    lab.store.down = True
+    lab.advance(1.5)
+    assert preemption_requested() is None  # the store may come back in time
+    lab.advance(1.0)
+    assert "store unreachable" in str(preemption_requested())
 
 
 # -- progress and nodes that cannot be reached -----------------------------------------------

@@ -226,9 +226,9 @@ def test_a_stop_from_an_agent_restarting_the_round_needs_no_durable_snapshot(
     agent.publish_leaving(1, "membership")
     agreed = guard.agree()
     assert agreed.stop and agreed.restart
-    usr2 = PreemptionGuard()
-    usr2._on_signal(signal.SIGUSR2, None)
-    assert usr2.agree().stop and not usr2.agree().restart  # a preemption always is real
+    stopping = PreemptionGuard()
+    agent.publish_preemption("the whole job stops")
+    assert stopping.agree().stop and not stopping.agree().restart  # a job's stop is real
 
 
 def test_a_peer_fault_keeps_the_state_before_the_worker_holds(agent: AgentControl) -> None:
@@ -291,7 +291,7 @@ def test_a_node_memory_too_small_for_the_state_keeps_nothing_and_says_so(
 
 
 # ------------------------------------------------------------------ preemption notices
-def test_a_notice_the_agent_recorded_stops_running_and_later_workers(
+def test_a_notice_goes_to_the_agent_and_the_stop_it_publishes_stops_running_and_later_workers(
         agent: AgentControl) -> None:
     previous = signal.getsignal(signal.SIGUSR2)
     try:
@@ -300,16 +300,30 @@ def test_a_notice_the_agent_recorded_stops_running_and_later_workers(
         running = PreemptionGuard()
         assert not running.agree().stop
         os.kill(os.getpid(), signal.SIGUSR2)  # to the agent's process (this one, here)
-        assert control.preemption_requested() == "SIGUSR2 to the agent"
+        assert agent.notice() == "SIGUSR2 to the agent"
+        assert not running.agree().stop  # the agent settles it with the others' first
+        agent.publish_preemption("the whole job stops")
         agreed = running.agree()
         assert agreed.stop and not agreed.restart and running.signalled == signal.SIGUSR2
-        later = PreemptionGuard().install()  # a worker that starts after the notice
+        later = PreemptionGuard().install()  # a worker that starts after the stop
         try:
             assert later.signalled == signal.SIGUSR2 and later.preempted_exit_code() == 0
         finally:
             later.uninstall()
     finally:
         signal.signal(signal.SIGUSR2, previous)
+
+
+def test_a_workers_own_notice_goes_to_its_agent_and_does_not_stop_the_job(
+        agent: AgentControl) -> None:
+    guard = PreemptionGuard().install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR2)
+        wait_until(agent.notice, timeout=5, what="the notice passed on")
+        assert agent.notice() == "SIGUSR2 to a worker"
+        assert not guard.agree().stop and guard.signalled is None
+    finally:
+        guard.uninstall()
 
 
 def test_the_agent_leaves_someone_elses_sigusr2_handler_alone(agent: AgentControl) -> None:

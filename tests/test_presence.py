@@ -1,13 +1,29 @@
-"""The presence port: only an active refusal says an agent is gone."""
+"""The presence port: only an active refusal says an agent is gone; probing it never
+holds up the keeper."""
 
 from __future__ import annotations
 
 import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from elastic_ext.control import AgentControl
 from elastic_ext.rendezvous.backend import heartbeat_value, parse_beat, presence_port_of
-from elastic_ext.rendezvous.presence import PresenceListener, PresenceProbe, refuses
+from elastic_ext.rendezvous.events import EventLog
+from elastic_ext.rendezvous.keeper import Keeper
+from elastic_ext.rendezvous.policy import Limits
+from elastic_ext.rendezvous.presence import (
+    PROBE_TIMEOUT_S,
+    PresenceListener,
+    PresenceProbe,
+    refuses,
+)
+from elastic_ext.rendezvous.state import NodeInfo, Phase, RunState
+from tests.support.memory_backend import MemoryBackend, MemoryStore
 
 
 def test_a_listening_agent_is_present_and_a_closed_port_refuses() -> None:
@@ -31,17 +47,99 @@ def test_no_answer_is_not_a_refusal(monkeypatch: pytest.MonkeyPatch, error: OSEr
     assert not refuses("10.0.0.1", 9)
 
 
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def silent_ports() -> Iterator[list[int]]:
+    """Eight ports that drop connection attempts, as a machine that vanished does: each
+    listens with a full backlog (one connection never accepted), so the kernel drops SYNs."""
+    listeners, held = [], []
+    try:
+        for _ in range(8):
+            listener = socket.socket()
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(0)
+            listeners.append(listener)
+            held.append(socket.create_connection(listener.getsockname(), timeout=1))
+        assert not refuses("127.0.0.1", listeners[0].getsockname()[1])  # silent, checked
+        yield [int(s.getsockname()[1]) for s in listeners]
+    finally:
+        for sock in held + listeners:
+            sock.close()
+
+
 def test_the_probe_remembers_a_refusal_and_does_not_hammer_a_live_port() -> None:
     probe = PresenceProbe()
     listener = PresenceListener()
     port = listener.port
-    assert not probe.gone("127.0.0.1", port)
+    assert not probe.gone_among({"a": ("127.0.0.1", port)})
     listener.close()
-    assert not probe.gone("127.0.0.1", port)  # probed moments ago: not again yet
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        closed = sock.getsockname()[1]
-    assert probe.gone("127.0.0.1", closed) and probe.gone("127.0.0.1", closed)
+    assert not probe.gone_among({"a": ("127.0.0.1", port)})  # probed moments ago: not yet
+    closed = closed_port()
+    assert probe.gone_among({"b": ("127.0.0.1", closed)}) == {"b"}
+    assert probe.known_gone("127.0.0.1", closed)
+
+
+def test_probes_of_silent_machines_run_in_parallel_and_later_ones_never_wait(
+        silent_ports: list[int]) -> None:
+    found = threading.Event()
+    probe = PresenceProbe(on_gone=found.set)
+    try:
+        began = time.monotonic()
+        targets = {f"n{i}": ("127.0.0.1", port) for i, port in enumerate(silent_ports)}
+        assert probe.gone_among(targets) == frozenset()
+        assert time.monotonic() - began < 4 * PROBE_TIMEOUT_S  # not 8 x the timeout
+        closed = closed_port()
+        began = time.monotonic()
+        for port in [closed, *silent_ports]:
+            probe.probe_later("127.0.0.1", port)
+        assert time.monotonic() - began < 0.05
+        assert found.wait(5) and probe.known_gone("127.0.0.1", closed)
+        assert not any(probe.known_gone("127.0.0.1", port) for port in silent_ports)
+    finally:
+        probe.close()
+
+
+def test_silent_nodes_are_declared_dead_on_time_and_the_keeper_never_waits_on_a_probe(
+        silent_ports: list[int], tmp_path: Path) -> None:
+    """Issue 23: eight nodes whose machines dropped off the network. With the probes in the
+    keeper's tick, under its lock (8 x 0.2 s), every tick looked like a gap in observation
+    that restarts the timers: nobody was ever declared dead, and the agent's poll of
+    ``num_nodes_waiting`` waited behind the probes."""
+    timeout = 1.0
+    others = [f"n{i}" for i in range(8)]
+    members = {"me": NodeInfo("127.0.0.1", 1000)} | {
+        n: NodeInfo("127.0.0.1", 1001 + i, presence=port)
+        for i, (n, port) in enumerate(zip(others, silent_ports, strict=True))}
+    store = MemoryStore()
+    backend = MemoryBackend(store)
+    backend.set_state(RunState(generation="g", round=1, phase=Phase.CLOSED, members=members,
+                               order=("me", *others)).to_bytes())
+    for n, port in zip(others, silent_ports, strict=True):
+        backend.beat(n, port)  # their last sign of life
+    last_beat = time.monotonic()
+    keeper = Keeper(MemoryBackend(store), "me", interval=0.1, timeout=timeout,
+                    limits=Limits(2, 9, 1.0, None), control=AgentControl(tmp_path / "ctl"),
+                    events=EventLog("run1", "me", "127.0.0.1", None))
+    keeper.watch_round(("g", 1))
+    keeper.start()
+    try:
+        slowest_poll = 0.0
+        deadline = last_beat + timeout + 1.0
+        while keeper.dead_among(set(others)) != set(others) and time.monotonic() < deadline:
+            began = time.monotonic()
+            _ = keeper.pressure  # what num_nodes_waiting() reads every 0.1 s
+            slowest_poll = max(slowest_poll, time.monotonic() - began)
+            time.sleep(0.01)
+        assert keeper.dead_among(set(others)) == set(others), (
+            f"declared dead within {timeout + 1.0}s: {sorted(keeper.dead_among(set(others)))}")
+        assert slowest_poll < 0.05, f"a poll of the keeper's verdict took {slowest_poll:.2f}s"
+    finally:
+        keeper.stop()
 
 
 def test_heartbeat_values_carry_the_port_and_old_values_still_parse() -> None:

@@ -8,6 +8,9 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -279,6 +282,20 @@ def test_a_directory_and_the_elastic_ext_entry_point(tmp_path: Path,
     assert "is a directory; give the metrics file in it" in capsys.readouterr().err
     assert cli_main(["report", str(write(tmp_path / "m.jsonl", three_rounds()))]) == 0
     assert "rounds: 3" in capsys.readouterr().out
+
+
+def test_a_reader_that_closes_the_pipe_early_gets_no_traceback(tmp_path: Path) -> None:
+    """``elastic-ext report FILE | head``: the reader is gone before the first write."""
+    metrics = write(tmp_path / "m.jsonl", three_rounds())
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write now fails with EPIPE, as after head has read its lines
+    try:
+        done = subprocess.run([sys.executable, "-m", "elastic_ext.cli", "report", str(metrics)],
+                              stdout=write_end, stderr=subprocess.PIPE, timeout=30, check=False)
+    finally:
+        os.close(write_end)
+    assert done.stderr == b""
+    assert done.returncode == 128 + signal.SIGPIPE
 
 
 # ---------------------------------------------------------------------------- a real run

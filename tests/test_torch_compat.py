@@ -74,7 +74,7 @@ def test_torchrun_still_stops_on_a_signal_by_raising_signal_exception() -> None:
     source = inspect.getsource(_resolve(torch_compat.LAUNCH_AGENT))
     assert re.search(r"except SignalException:[^\n]*\n(?:[^\n]*\n){0,8}?\s*raise\n", source), (
         f"{torch_compat.LAUNCH_AGENT} no longer lets SignalException out of torchrun: "
-        "quiet_signal_exit() would never see it")
+        "quiet_agent_exit() would never see it")
 
 
 def test_launch_agent_keeps_the_run_result_in_result_until_its_finally() -> None:
@@ -110,3 +110,18 @@ def test_workers_succeeded_reads_the_result_of_launch_agent_and_nothing_else() -
     assert _shutdown_inside_a_launch_agent(_Result(failed=False))
     assert not _shutdown_inside_a_launch_agent(_Result(failed=True))
     assert not _shutdown_inside_a_launch_agent(None)  # agent.run() raised before returning
+
+
+def test_a_leaving_agents_check_in_completes_torchs_exit_barrier_for_the_others() -> None:
+    import torch.distributed as dist
+    from torch.distributed.elastic.utils.store import barrier
+
+    key = _resolve(torch_compat.EXIT_BARRIER_KEY)
+    _resolve(torch_compat.BARRIER_CHECK_IN)
+    agent = _resolve("torch.distributed.elastic.agent.server.api.SimpleElasticAgent")
+    assert "key_prefix=_TERMINAL_STATE_SYNC_ID" in inspect.getsource(agent._exit_barrier), (
+        "torch's agent no longer keeps its exit barrier under "
+        f"{torch_compat.EXIT_BARRIER_KEY}: check_in_at_exit_barrier() counts in elsewhere")
+    store = dist.HashStore()
+    torch_compat.check_in_at_exit_barrier(store, world_size=2)  # the agent that left
+    barrier(store, world_size=2, key_prefix=key, barrier_timeout=5)  # the other: no wait

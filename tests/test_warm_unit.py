@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from elastic_ext import control
 from elastic_ext.rendezvous.errors import ConfigError
 from elastic_ext.rendezvous.settings import parse_settings
 from elastic_ext.warm import OFF, SOCKET_ENV, launcher
@@ -31,6 +32,7 @@ from elastic_ext.warm.protocol import (
     recv_message,
     send_message,
 )
+from elastic_ext.warm.server import set_worker_signals
 from elastic_ext.warm.target import USAGE, Target, UsageError, parse_command
 from elastic_ext.warm.worker import exit_code_of, run_target
 
@@ -341,6 +343,27 @@ def test_an_uncaught_keyboard_interrupt_runs_atexit_then_dies_of_sigint(
     status = in_a_child(child)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGINT, status
     assert (tmp_path / "atexit-ran").exists()
+
+
+def test_a_notice_before_the_scripts_own_handler_is_recorded_not_fatal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGUSR2 between the fork and the script's ``signal.signal``: the worker lives on and
+    the notice goes to the agent; SIGTERM keeps python's default (death)."""
+    monkeypatch.setenv(control.CONTROL_DIR_ENV, str(tmp_path))
+
+    def notice_then_exit() -> None:
+        set_worker_signals()
+        signal.raise_signal(signal.SIGUSR2)  # the handler runs before this returns
+        os._exit(0 if control.AgentControl(tmp_path).notice() else 3)
+
+    def terminate() -> None:
+        set_worker_signals()
+        signal.raise_signal(signal.SIGTERM)
+
+    assert in_a_child(notice_then_exit) == 0
+    assert control.AgentControl(tmp_path).notice() == "SIGUSR2 to a worker before its handler"
+    status = in_a_child(terminate)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
 
 
 # --- the launcher's exit --------------------------------------------------------------

@@ -9,7 +9,7 @@ import signal
 import sys
 
 # SLURM's advance notice must not kill a worker before its guard takes the signal over
-# (its etcd-ext agent records the notice for it: elastic_ext.control.catch_preemption).
+# (the etcd-ext agent gets the notice too: elastic_ext.control.catch_preemption).
 signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 from elastic_ext.warm.launcher import hand_off  # noqa: E402

@@ -353,6 +353,7 @@ class Trainer:
         self.guard.begin_commit()
         if resumed_from != self.step:  # a restart of a finished run has nothing new to commit
             self._commit_now()
+        self.guard.done()
         digest = params_sha256(self.model)
         self.metrics.emit("done", self.step, params_sha256=digest)
         self.progress.finish("done")

@@ -174,6 +174,29 @@ class Injector:
             raise InjectionError("no worker or agent to preempt")
         return f"SIGUSR2 to {len(workers)} worker(s) and {len(agents)} agent(s)", None
 
+    def _notice(self, action: Action) -> tuple[str, Undo | None]:
+        """SIGUSR2 to a node's agent and workers, as one node's own SLURM job gets it; to
+        every node one after the other over ``duration`` (``notice all over D``)."""
+        nodes = self.nodes(action.target)
+        gap = (action.duration or 0.0) / max(1, len(nodes) - 1)
+        sent = []
+        for index, node in enumerate(nodes):
+            if index:
+                time.sleep(gap)  # the spread is the fault itself, not a wait for something
+            for pid in [node.proc.pid, *node.worker_pids()]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR2)
+            sent.append(f"{node.name} (group rank {node.group_rank()})")
+        return "SIGUSR2 to the agent and workers of " + ", ".join(sent), None
+
+    def _terminate(self, action: Action) -> tuple[str, Undo | None]:
+        """SIGTERM to a node's agent alone, as Kubernetes stops a deleted pod."""
+        node = self.nodes(action.target)[0]
+        detail = self._describe([node])
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(node.proc.pid, signal.SIGTERM)
+        return f"SIGTERM to the agent of {detail}", None
+
     def _start_node(self, action: Action) -> tuple[str, Undo | None]:
         started = [self.job.add_node().name for _ in range(action.count)]
         return ", ".join(started), None

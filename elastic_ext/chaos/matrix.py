@@ -89,6 +89,33 @@ nodes = 2
 at step 35: preempt all
 when stopped: start all
 """,
+    "notice": """\
+# A preemption notice (SIGUSR2) to one node: it leaves, the other two train on.
+nodes = 3
+{common}
+at step 35: notice node other
+""",
+    "notice-below-min": """\
+# A notice to one of two nodes of a 2:3 job: the whole job stops with a durable snapshot
+# and starts again.
+nodes = 2
+{common}
+at step 35: notice node other
+when stopped: start all
+""",
+    "notice-spread": """\
+# Notices to every node, one after the other over 2 s: one whole-job stop, then a restart.
+nodes = 3
+{common}
+at step 35: notice all over 2s
+when stopped: start all
+""",
+    "terminate-rank0": """\
+# SIGTERM to the agent of the rank-0 node alone (a Kubernetes pod deleted).
+nodes = 3
+{common}
+at step 35: terminate node rank0
+""",
     "disk-full": """\
 # The snapshot directory is full for 10 s: snapshots fail, training goes on.
 nodes = 2

@@ -36,6 +36,10 @@ that neither hosts rank 0 nor the embedded store — or ``all``):
 - ``preempt all``: SIGUSR2 to every worker and etcd-ext agent, as SLURM's
   ``--signal=USR2@N`` does; ``preempt agents``: to the agents alone (a notice that
   comes between rounds, or that only torchrun gets);
+- ``notice node TARGET``: SIGUSR2 to one node's agent and workers (one node's own SLURM
+  job preempted, a spot machine reclaimed): that node leaves, the others train on;
+  ``notice all over D``: the same to every node, one after the other over D;
+- ``terminate node TARGET``: SIGTERM to one node's agent alone (a Kubernetes pod deleted);
 - ``start node`` / ``start N nodes`` / ``start all``: start 1 / N new nodes / as many as ``nodes``;
 - ``kill etcd leader|follower|all [for D]``: SIGKILL etcd member(s); with ``for``,
   start them again on the same data directory after D;
@@ -201,7 +205,8 @@ class Trigger:
 class Action:
     """What a fault does. ``target`` is a node selector or an etcd role; ``duration`` undoes it."""
 
-    # kill-worker kill-node freeze partition preempt start-node start-all kill-etcd fill-disk
+    # kill-worker kill-node freeze partition cut-peers preempt notice terminate start-node
+    # start-all kill-etcd fill-disk
     verb: str
     target: str = ""
     count: int = 1
@@ -218,11 +223,16 @@ class Action:
             "freeze": f"freeze node {self.target}", "partition": f"partition node {self.target}",
             "cut-peers": f"cut peers of node {self.target}",
             "preempt": f"preempt {self.target}",
+            "notice": f"notice node {self.target}" if self.target != "all"
+            else f"notice all over {self.duration or 0:g}s",
+            "terminate": f"terminate node {self.target}",
             "start-node": "start node" if self.count == 1 else f"start {self.count} nodes",
             "start-all": "start all", "kill-etcd": f"kill etcd {self.target}",
             "fill-disk": "fill disk",
         }[self.verb]
-        return words + (f" for {self.duration:g}s" if self.duration is not None else "")
+        spread = self.verb == "notice"  # its duration spreads the notices, undoes nothing
+        return words + (f" for {self.duration:g}s" if self.duration is not None and not spread
+                        else "")
 
 
 @dataclass(frozen=True)
@@ -282,6 +292,11 @@ _ACTIONS: list[tuple[re.Pattern[str], Callable[[re.Match[str]], Action]]] = [
     (re.compile(rf"cut peers of node {_NODE_TARGET} for {_DURATION}"),
      lambda m: Action("cut-peers", m.group(1), duration=float(m.group(2)))),
     (re.compile(r"preempt (all|agents)"), lambda m: Action("preempt", m.group(1))),
+    (re.compile(r"notice node (\d+|rank0|other)"), lambda m: Action("notice", m.group(1))),
+    (re.compile(rf"notice all over {_DURATION}"),
+     lambda m: Action("notice", "all", duration=float(m.group(1)))),
+    (re.compile(r"terminate node (\d+|rank0|other)"),
+     lambda m: Action("terminate", m.group(1))),
     (re.compile(r"start node"), lambda m: Action("start-node")),
     (re.compile(r"start (\d+) nodes?"),
      lambda m: Action("start-node", count=_positive_int(m.group(1)))),
@@ -333,6 +348,7 @@ def parse(text: str, name: str = "scenario") -> Scenario:
                 raise ScenarioError(f"unknown action {what!r} (kill worker|node T, "
                                     "freeze|partition node T for Ds, "
                                     "cut peers of node T for Ds, preempt all|agents, "
+                                    "notice node T, notice all over Ds, terminate node T, "
                                     "start node, "
                                     "start N nodes, start all, "
                                     "kill etcd leader|follower|all [for Ds], fill disk [for Ds])")

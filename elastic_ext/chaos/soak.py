@@ -54,6 +54,12 @@ KINDS: dict[str, str] = {
     "freeze": "SIGSTOP a node for a while (SIGCONT after)",
     "join": "start one more node (up to --nodes + 1)",
     "preempt": "SIGUSR2 to every worker, then every node started again",
+    "notice": "SIGUSR2 to one node's agent and workers: it leaves, the others train on; "
+              "a new node starts once the job recovered",
+    "notice-all": "SIGUSR2 to every node over 2 s: one whole-job stop with a snapshot, then "
+                  "every node started again",
+    "terminate-rank0": "SIGTERM to the rank-0 node's agent alone (a pod deleted); a new node "
+                       "starts once the job recovered",
     "etcd-member": "kill the etcd leader or a follower for a while (3 members)",
     "etcd-restart": "kill every etcd member, start them again on their data directories",
     "partition": "take a node's network link down for a while (network namespaces, root)",
@@ -90,7 +96,8 @@ STEP_EFFICIENCY = 0.85
 STARTUP_S = 7.0
 STALL_S: dict[str, float] = {
     "kill-worker": 1.0, "kill-node": 1.0, "kill-rank0": 1.0, "freeze": 4.0, "join": 1.0,
-    "preempt": 7.0, "etcd-member": 0.0, "etcd-restart": 0.0, "partition": 5.0,
+    "preempt": 7.0, "notice": 2.0, "notice-all": 9.0, "terminate-rank0": 2.0,
+    "etcd-member": 0.0, "etcd-restart": 0.0, "partition": 5.0,
     "cut-peers": 65.0,
 }
 MIN_TRAIN_S = 5.0   # training between two faults, however short the gap
@@ -244,7 +251,7 @@ def plan(seed: int, duration_s: float, *, every: tuple[float, float] = (20.0, 40
         raise ScheduleError(f"--kinds: choose at least one of {','.join(KINDS)}")
     if kinds == ("join",):
         raise ScheduleError("--kinds join: a join needs a kind that takes the job back to "
-                            "--nodes (kill-node, kill-rank0 or preempt)")
+                            "--nodes (kill-node, kill-rank0, notice or preempt)")
     if nodes < 2:
         raise ScheduleError(f"--nodes {nodes}: a soak needs at least 2 nodes, so that a fault "
                             "leaves a survivor")
@@ -326,8 +333,9 @@ def _lines(kind: str, step: int, down: int, live: int, nodes: int,
     at = f"at step {step}: "
     if kind == "kill-worker":
         return (at + f"kill worker {rng.choice(('other', 'rank0'))}",), live
-    if kind in ("kill-node", "kill-rank0"):
-        line = at + ("kill node other" if kind == "kill-node" else "kill node rank0")
+    if kind in ("kill-node", "kill-rank0", "notice", "terminate-rank0"):
+        line = at + {"kill-node": "kill node other", "kill-rank0": "kill node rank0",
+                     "notice": "notice node other", "terminate-rank0": "terminate node rank0"}[kind]
         if live > nodes:  # a join had added one: the kill takes the job back to its size
             return (line,), live - 1
         return (line, "when recovered: start node"), live
@@ -342,8 +350,9 @@ def _lines(kind: str, step: int, down: int, live: int, nodes: int,
         return (line, "when recovered: start node"), live
     if kind == "join":
         return (at + "start node",), live + 1
-    if kind == "preempt":
-        return (at + "preempt all", "when stopped: start all"), nodes
+    if kind in ("preempt", "notice-all"):
+        fault = "preempt all" if kind == "preempt" else "notice all over 2s"
+        return (at + fault, "when stopped: start all"), nodes
     if kind == "etcd-member":
         return (at + f"kill etcd {rng.choice(('leader', 'follower'))} for {down}s",), live
     if kind == "etcd-restart":

@@ -19,6 +19,7 @@ __all__ = [
     "RestartBudgetExhaustedError",
     "JobFinishedError",
     "NodeExcludedError",
+    "NodeLeftError",
     "StoreUnavailableError",
     "StoreAuthError",
     "CorruptStateError",
@@ -49,6 +50,11 @@ class RestartBudgetExhaustedError(RendezvousClosedError):
 
 class JobFinishedError(RendezvousClosedError):
     """The job finished while this node was away (frozen, cut off): nothing left to do."""
+
+
+class NodeLeftError(RendezvousClosedError):
+    """This node left the job on a preemption notice; the others train on: its part is over,
+    and it ended well."""
 
 
 class NodeExcludedError(RendezvousClosedError):

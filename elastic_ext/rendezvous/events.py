@@ -37,6 +37,9 @@ class EventKind(str, enum.Enum):
     UNREACHABLE = "unreachable"  # peers, round: those nodes did not answer this agent at all
     EXCLUDED = "excluded"  # why: the other nodes cannot reach this one; it leaves the job
     FINISHED_AWAY = "finished_away"  # the job finished while this node was away; it exits
+    NOTICE = "notice"  # why: a preemption notice reached this node (``drain.py``)
+    LEFT_ON_NOTICE = "left_on_notice"  # why: this node leaves the job; the others train on
+    JOB_STOPPING = "job_stopping"  # why: the whole job stops with a durable snapshot
     LEFT = "left"  # this agent left the run
 
 

@@ -18,7 +18,8 @@ from elastic_ext.rendezvous.prometheus import (
 )
 from elastic_ext.rendezvous.settings import Settings, parse_settings
 from elastic_ext.torch_compat import (
-    quiet_signal_exit,
+    on_agent_signal,
+    quiet_agent_exit,
     torchrun_max_restarts,
     torchrun_worker_command,
 )
@@ -53,7 +54,7 @@ def settings_from_params(params: RendezvousParameters) -> Settings:
 def build_handler(params: RendezvousParameters, backend_name: str) -> EtcdExtRendezvousHandler:
     """The handler torchrun asked for as ``--rdzv-backend=<backend_name>``."""
     configure_for_torchrun()
-    quiet_signal_exit()
+    quiet_agent_exit()
     settings = settings_from_params(params)
     metrics = None
     if settings.metrics_port is not None:
@@ -70,7 +71,9 @@ def build_handler(params: RendezvousParameters, backend_name: str) -> EtcdExtRen
                                        preload=settings.warm_preload)
     control = AgentControl()
     control.catch_preemption()  # torchrun itself has no handler for SLURM's SIGUSR2
-    return EtcdExtRendezvousHandler(
+    handler = EtcdExtRendezvousHandler(
         settings, backend, backend_name=backend_name, metrics=metrics,
         events_file=Path(settings.events_file) if settings.events_file else None,
         control=control, starter=warm)
+    on_agent_signal(handler.leave_after_signal)
+    return handler

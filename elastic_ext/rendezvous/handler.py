@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import uuid
 from pathlib import Path
@@ -182,11 +183,11 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         """Leave the run (``lifecycle.py``): True if the others were told, False if the
         store could not be (never raises). If our workers failed for good, the whole job's
-        budget is spent; if they completed, the run is finished."""
+        budget is spent; if they completed the training, the run is finished."""
         gave_up = agent_gave_up()
         try:
             return self._lifecycle.leave(self._memory.completed, gave_up=gave_up,
-                                         succeeded=workers_succeeded)
+                                         succeeded=self._training_completed)
         finally:
             self._control.close()
             self._events.close()
@@ -195,6 +196,22 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
                 self._metrics.close()
             if self._starter is not None:
                 self._starter.close()
+
+    def leave_after_signal(self, signum: int) -> str | None:
+        """A signal stopped torch's agent, which stopped the workers and skips ``shutdown``:
+        leave the run (``Lifecycle.leave_on_signal``); the line to exit 0 with when the
+        others train on without this node, else None."""
+        return self._lifecycle.leave_on_signal(self._memory.completed,
+                                               signal.Signals(signum).name)
+
+    def _training_completed(self) -> bool:
+        """Whether this node's workers completed the training: they exited 0 without a
+        preemption notice to this node, and, if they speak the protocol (they reported
+        steps), said so (``control.report_done``). A script that speaks none is judged by
+        its exit status, as torch judges it."""
+        if not workers_succeeded() or self._control.notice() is not None:
+            return False
+        return self._control.done_reported() or not self.keeper.workers_report_steps
 
     def _start_keeper(self) -> None:
         """Heartbeat once and start the keeper, on the first rendezvous only.

@@ -10,6 +10,9 @@ agent reads the keeper's last verdict.
 One keeper judges everyone (the watcher: ``joins.closer_of``) and publishes its
 ``liveness.Verdict``; the others read it with their own heartbeat, one request a tick,
 and judge only the watcher.
+
+It also carries this node's preemption notice to the run's state and settles it with
+the other nodes' (``drain.py``), and passes a whole-job stop on to the workers.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from elastic_ext.rendezvous.errors import CorruptStateError
 from elastic_ext.rendezvous.events import EventKind, EventLog
 from elastic_ext.rendezvous.joins import closer_of
 from elastic_ext.rendezvous.liveness import LEFT, Liveness, Verdict
+from elastic_ext.rendezvous.notices import NoticeRelay
 from elastic_ext.rendezvous.policy import Limits, restart_pressure
 from elastic_ext.rendezvous.presence import PresenceListener, PresenceProbe, unreachable_among
 from elastic_ext.rendezvous.state import Phase, Reason, RunState, Status
@@ -35,11 +39,6 @@ logger = logging.getLogger(__name__)
 PROGRESS_WITHOUT_REPORTS_S = 120.0
 """Workers that never report steps (``control.report_progress``; the bundled trainer and
 ``PreemptionGuard`` do) count as progressing once their round has run this long."""
-
-
-_PROBES_PER_TICK = 8
-"""Presence probes of silent nodes a watcher makes per tick (each at most
-``presence.PROBE_TIMEOUT_S``)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +66,7 @@ class Keeper:
         self._liveness = Liveness(timeout, clock.monotonic)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # tick now: a probe found a node gone, or stop
         self._thread: threading.Thread | None = None
         self._round: tuple[str, int] | None = None
         self._pressure = Pressure()
@@ -81,13 +81,15 @@ class Keeper:
         self._inherited_left: set[str] = set()
         self._published: Verdict | None = None
         self._presence = PresenceListener()
-        self._probe = PresenceProbe()
+        self._probe = PresenceProbe(on_gone=self._wake.set)
         self._ports: dict[str, int] = {}  # presence ports from the heartbeats last read
         self._addrs: dict[str, str] = {}  # node addresses from the states read
         self._lost_told: tuple[str, int] | None = None  # the round whose workers know
         self._round_since = clock.monotonic()  # when the watched round was handed over
         self._progressed = False  # the watched round's workers completed a step
         self._steps_reported = False  # this agent's workers ever reported one
+        self._notices = NoticeRelay(backend, node, limits=limits, control=control,
+                                    events=events, clock=clock, wake=self._wake.set)
 
     # -- what the handler reads ---------------------------------------------------------
     @property
@@ -128,8 +130,9 @@ class Keeper:
         """Nodes whose agent is gone for sure: their presence port refuses connections.
         Called by the rendezvous for the nodes a round would otherwise wait for."""
         with self._lock:
-            ports = {n: self._ports[n] for n in nodes if n in self._ports and n in addrs}
-        return frozenset(n for n, port in ports.items() if self._probe.gone(addrs[n], port))
+            targets = {n: (addrs[n], self._ports[n]) for n in nodes
+                       if n in self._ports and n in addrs}
+        return self._probe.gone_among(targets)
 
     def peer_silence(self) -> dict[str, float]:
         """Seconds since each peer's heartbeat last moved, as this agent sees it, for the
@@ -145,6 +148,13 @@ class Keeper:
             targets = {n: (addrs[n], self._ports[n]) for n in nodes
                        if n in self._ports and n in addrs and n != self._node}
         return unreachable_among(targets)
+
+    @property
+    def workers_report_steps(self) -> bool:
+        """Whether this agent's workers ever reported a training step: they speak the
+        protocol (``control.report_progress``), so they also say when training is done."""
+        with self._lock:
+            return self._steps_reported
 
     def round_progressed(self) -> bool:
         """Whether the watched round's workers completed a training step."""
@@ -166,15 +176,18 @@ class Keeper:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5 * self._interval + 5)
+        self._probe.close()
         self._presence.close()
 
     def _run(self) -> None:
         while not self._stop.is_set():
             started = self._clock.monotonic()
             self.tick()
-            self._stop.wait(max(0.0, self._interval - (self._clock.monotonic() - started)))
+            self._wake.wait(max(0.0, self._interval - (self._clock.monotonic() - started)))
+            self._wake.clear()
 
     def tick(self) -> None:
         with self._lock:
@@ -212,6 +225,7 @@ class Keeper:
             if self._failing_since is None:
                 self._failing_since = self._clock.monotonic()
                 logger.warning("etcd-ext: store unreachable, heartbeats paused: %s", exc)
+            self._notices.without_store()
             return
         if self._failing_since is not None:
             logger.warning("etcd-ext: store reachable again after %.1fs",
@@ -260,6 +274,7 @@ class Keeper:
                 self._weigh(state, dead)
         if verdict is not None and verdict != self._published:
             self._publish(verdict)
+        self._notices.act(state, token, dead)
         if record_progress and state is not None:
             self._record_progress(state, token)
         if watched is not None:
@@ -286,13 +301,16 @@ class Keeper:
         """Of the nodes whose heartbeat has been still for two intervals, those whose agent
         is gone for sure: its presence port refuses (``presence.py``). A killed agent is
         found in about a second this way; a frozen one (its kernel still accepts) waits
-        for the heartbeat timeout. At most ``_PROBES_PER_TICK`` probes a tick (under
-        ``_lock``)."""
+        for the heartbeat timeout. The probes run on the probe's threads, never in this
+        tick or under ``_lock`` (held here): a probe that finds a node gone wakes the
+        keeper for another tick, which sees it."""
         silence = self._liveness.silence()
-        suspects = sorted((n for n in beats if silence.get(n, 0.0) >= 2 * self._interval
-                           and n in self._ports and n in self._addrs), key=silence.__getitem__,
-                          reverse=True)[:_PROBES_PER_TICK]
-        return frozenset(n for n in suspects if self._probe.gone(self._addrs[n], self._ports[n]))
+        suspects = [n for n in beats if silence.get(n, 0.0) >= 2 * self._interval
+                    and n in self._ports and n in self._addrs]
+        for node in sorted(suspects, key=silence.__getitem__, reverse=True):
+            self._probe.probe_later(self._addrs[node], self._ports[node])
+        return frozenset(n for n in suspects if self._probe.known_gone(self._addrs[n],
+                                                                       self._ports[n]))
 
     def _weigh(self, state: RunState, dead: frozenset[str]) -> None:
         """Turn what we read into a reason to leave our round, if any (under ``_lock``)."""

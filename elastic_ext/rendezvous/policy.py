@@ -79,13 +79,21 @@ class Finished:
 
 
 @dataclass(frozen=True)
+class Left:
+    """This node leaves the job on a preemption notice (``state.leaving``); the others
+    train on without it (``drain.py``)."""
+
+    state: RunState
+
+
+@dataclass(frozen=True)
 class Excluded:
     """The other nodes cannot reach this one; it was left out of the job (``state.excluded``)."""
 
     state: RunState
 
 
-Decision = Wait | Write | Joined | BudgetSpent | Closed | Finished | Excluded
+Decision = Wait | Write | Joined | BudgetSpent | Closed | Finished | Left | Excluded
 
 
 def fresh_state(view: View, round_: int, limits: Limits) -> RunState:
@@ -128,6 +136,8 @@ def decide(state: RunState | None, view: View, limits: Limits) -> Decision:
         return Finished(state)
     if state.status is Status.BUDGET_SPENT:
         return BudgetSpent(state)
+    if view.me in state.leaving:
+        return Left(state)
     if view.me in state.excluded:
         return Excluded(state)
     if state.phase is Phase.CLOSED:
@@ -172,6 +182,11 @@ def _decide_open(state: RunState, view: View, limits: Limits) -> Decision:
         return Write(replace(
             state, members=_without(state.members, dead_members),
             note=f"dropped dead {sorted(dead_members)} from round {state.round}"))
+    leaving_members = set(state.members) & set(state.leaving)
+    if leaving_members:
+        return Write(replace(
+            state, members=_without(state.members, leaving_members),
+            note=f"dropped leaving {sorted(leaving_members)} from round {state.round}"))
     if view.me not in state.members:
         if len(state.members) < limits.max_nodes:
             return Write(replace(
@@ -203,7 +218,7 @@ def should_close(state: RunState, view: View, limits: Limits) -> bool:
     if state.opened_because is Reason.START:
         return False  # a fresh job gives late starters the whole last call
     expected = (set(state.previous) | set(state.waiting)) - view.dead - set(state.members) \
-        - set(state.excluded)
+        - set(state.excluded) - set(state.leaving)
     return not expected
 
 
@@ -257,7 +272,7 @@ def close_round(state: RunState, view: View, limits: Limits | None = None) -> Ru
     over_stall = stall_limit is not None and bool(state.previous) and stalled > stall_limit
     charge = int((unchanged and state.opened_because is not Reason.MEMBERSHIP) or over_stall)
     restarts = state.restarts + charge
-    waiting = _without(state.waiting, set(order) | view.dead)
+    waiting = _without(state.waiting, set(order) | view.dead | set(state.leaving))
     stall_text = (f"{stalled} rounds in a row ended before a training step "
                   f"(more than {stall_limit} are charged){_unreachable_text(state)}")
     if state.max_restarts is not None and restarts > state.max_restarts:
@@ -298,6 +313,10 @@ def restart_pressure(state: RunState, me: str, dead: frozenset[str], limits: Lim
         return 1, f"round {state.round} ({state.phase.value}) replaced round {my_round[1]}", why
     if state.status is not Status.ACTIVE:
         return 1, f"run is {state.status.value}", Reason.FAILURE
+    leaving = sorted(set(state.order) & set(state.leaving))
+    if leaving:
+        return len(leaving), f"leaving on a preemption notice: {', '.join(leaving)}", \
+            Reason.MEMBERSHIP
     lost = sorted(set(state.order) & dead - {me})
     if lost:
         return len(lost), f"dead or hung: {', '.join(lost)}", Reason.MEMBERSHIP

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 0.2
+PROBE_THREADS = 8
 REPROBE_AFTER_S = 0.2
 REACH_TIMEOUT_S = 1.0
 _REACH_THREADS = 32
@@ -81,26 +83,83 @@ def refuses(addr: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool:
 
 
 class PresenceProbe:
-    """Which nodes are gone for sure, probing each at most every ``REPROBE_AFTER_S``."""
+    """Which nodes are gone for sure, probing each at most every ``REPROBE_AFTER_S``.
 
-    def __init__(self) -> None:
+    ``gone_among`` probes now, in parallel, and waits (the rendezvous, which needs the
+    answer before it can close a round); ``probe_later`` returns at once and probes on the
+    probe's own threads (the keeper, whose tick and lock must never wait on a silent
+    machine), calling ``on_gone`` when a node turns out gone, and ``known_gone`` says what
+    the probes found so far. At most ``PROBE_THREADS`` probes run at a time, each at most
+    ``PROBE_TIMEOUT_S``: a probe that would queue behind them is left for a later call.
+    """
+
+    def __init__(self, on_gone: Callable[[], None] | None = None) -> None:
+        self._on_gone = on_gone
+        self._lock = threading.Lock()
         self._gone: set[tuple[str, int]] = set()
         self._probed_at: dict[tuple[str, int], float] = {}
+        self._in_flight: set[tuple[str, int]] = set()
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
 
-    def gone(self, addr: str, port: int) -> bool:
-        key = (addr, port)
-        if key in self._gone:
-            return True
+    def known_gone(self, addr: str, port: int) -> bool:
+        """Whether a probe already found nobody listening at ``addr:port``."""
+        with self._lock:
+            return (addr, port) in self._gone
+
+    def gone_among(self, targets: Mapping[str, tuple[str, int]]) -> frozenset[str]:
+        """Of ``targets`` (node -> address and port), those whose port refuses now, probed
+        in parallel: the call takes about ``PROBE_TIMEOUT_S`` however many are silent."""
+        claimed = [key for key in set(targets.values()) if self._claim(key, capped=False)]
+        if claimed:
+            with ThreadPoolExecutor(max_workers=min(_REACH_THREADS, len(claimed))) as pool:
+                list(pool.map(self._probe, claimed))
+        return frozenset(node for node, key in targets.items() if self.known_gone(*key))
+
+    def probe_later(self, addr: str, port: int) -> None:
+        """Probe ``addr:port`` on the probe's threads unless it is known gone, being probed,
+        was probed within ``REPROBE_AFTER_S``, or ``PROBE_THREADS`` probes are running;
+        never waits."""
+        if not self._claim((addr, port), capped=True):
+            return
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=PROBE_THREADS,
+                                                thread_name_prefix="etcd-ext-probe")
+            self._pool.submit(self._probe, (addr, port))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _claim(self, key: tuple[str, int], *, capped: bool) -> bool:
+        """Whether to probe ``key`` now; if so, it counts as in flight from here."""
         now = time.monotonic()
-        if now - self._probed_at.get(key, -REPROBE_AFTER_S) < REPROBE_AFTER_S:
-            return False
-        self._probed_at[key] = now
-        if refuses(addr, port):
-            logger.info("etcd-ext: nobody listens at %s:%d any more: not waiting for that node",
-                        addr, port)
-            self._gone.add(key)
+        with self._lock:
+            if self._closed or key in self._gone or key in self._in_flight \
+                    or (capped and len(self._in_flight) >= PROBE_THREADS) \
+                    or now - self._probed_at.get(key, -REPROBE_AFTER_S) < REPROBE_AFTER_S:
+                return False
+            self._probed_at[key] = now
+            self._in_flight.add(key)
             return True
-        return False
+
+    def _probe(self, key: tuple[str, int]) -> None:
+        try:
+            gone = refuses(*key)
+        finally:
+            with self._lock:
+                self._in_flight.discard(key)
+        if not gone:
+            return
+        logger.info("etcd-ext: nobody listens at %s:%d any more: not waiting for that node", *key)
+        with self._lock:
+            self._gone.add(key)
+        if self._on_gone is not None:
+            self._on_gone()
 
 
 def answers(addr: str, port: int, timeout: float = REACH_TIMEOUT_S) -> bool:

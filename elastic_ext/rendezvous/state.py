@@ -80,6 +80,12 @@ class RunState:
     # open: nodes each member could not reach (it probes after a round without progress)
     unreachable: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     excluded: Mapping[str, str] = field(default_factory=dict)  # node -> why, this generation
+    # Preemption notices (``drain.py``): received, not yet decided (node -> why); the nodes
+    # that leave the job on theirs, free (node -> why, this generation); and why the whole
+    # job stops with a durable snapshot ("" while it does not).
+    notices: Mapping[str, str] = field(default_factory=dict)
+    leaving: Mapping[str, str] = field(default_factory=dict)
+    stop: str = ""
 
     def known_nodes(self) -> set[str]:
         """Every node this state names: the round's, those waiting, the last round's."""
@@ -108,6 +114,10 @@ class RunState:
             "unreachable": {k: list(v) for k, v in self.unreachable.items()},
             "excluded": dict(self.excluded),
         }
+        for key, value in (("notices", dict(self.notices)), ("leaving", dict(self.leaving)),
+                           ("stop", self.stop)):
+            if value:  # absent when empty: states without a notice read as before
+                doc[key] = value
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -131,8 +141,9 @@ class RunState:
                 progress_round=_int(doc.get("progress_round", 0)),
                 unreachable={_text(k): tuple(_text(n) for n in _list(v))
                              for k, v in _mapping(doc.get("unreachable", {})).items()},
-                excluded={_text(k): _text(v)
-                          for k, v in _mapping(doc.get("excluded", {})).items()},
+                excluded=_reasons(doc.get("excluded", {})),
+                notices=_reasons(doc.get("notices", {})),
+                leaving=_reasons(doc.get("leaving", {})), stop=_text(doc.get("stop", "")),
             )
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError,
                 RecursionError) as exc:
@@ -165,6 +176,10 @@ def _list(value: Any) -> list[Any]:
     if not isinstance(value, list):
         raise ValueError(f"expected a list, got {type(value).__name__}")
     return value
+
+
+def _reasons(value: Any) -> dict[str, str]:
+    return {_text(k): _text(v) for k, v in _mapping(value).items()}
 
 
 def _nodes(doc: Any) -> dict[str, NodeInfo]:

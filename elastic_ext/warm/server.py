@@ -24,8 +24,10 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import FrameType
 from typing import NoReturn
 
+from elastic_ext.control import report_notice
 from elastic_ext.warm import RELAYED_SIGNALS, preload, safety
 from elastic_ext.warm.protocol import ProtocolError, RunRequest, recv_message, send_message
 from elastic_ext.warm.target import Target
@@ -256,13 +258,27 @@ def become_worker(forked: Forked) -> int:
     for handler in list(root.handlers):
         root.removeHandler(handler)
     root.setLevel(logging.WARNING)
-    for signum in RELAYED_SIGNALS:
-        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT
-                      else signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED_SIGNALS)
+    set_worker_signals()
     _reseed_numpy()
     enter_warm_worker(request.launched_at)
     return run_target(Target(request.kind, request.name), request.argv)
+
+
+def set_worker_signals() -> None:
+    """The dispositions a fresh ``python`` starts with, but for SIGUSR2 (SLURM's advance
+    notice): until the script installs its own handler, a notice is passed to the agent
+    (``control.report_notice``) instead of killing the worker. A fresh interpreter has the
+    same window between exec and the script's handler; here it is closed. Then the signals
+    the server blocked are unblocked."""
+    for signum in RELAYED_SIGNALS:
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT
+                      else signal.SIG_DFL)
+    signal.signal(signal.SIGUSR2, _record_notice)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED_SIGNALS)
+
+
+def _record_notice(signum: int, frame: FrameType | None) -> None:
+    report_notice(f"{signal.Signals(signum).name} to a worker before its handler")
 
 
 def _reseed_numpy() -> None:
