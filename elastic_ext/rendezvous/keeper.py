@@ -173,12 +173,14 @@ class Keeper:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="etcd-ext-keeper", daemon=True)
         self._thread.start()
+        self._notices.start()
 
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5 * self._interval + 5)
+        self._notices.close()
         self._probe.close()
         self._presence.close()
 

@@ -19,6 +19,10 @@ from elastic_ext.rendezvous.state import RunState
 
 logger = logging.getLogger(__name__)
 
+WATCH_S = 0.05
+"""How often the agent looks for a notice a worker passed on (one ``stat``): all the
+nodes' notices of a whole-job signal must be recorded within ``NOTICE_SETTLE_S``."""
+
 NOTICE_FALLBACK_S = 2.0
 """A notice the store cannot take this long stops this node's workers with a durable
 snapshot at their next step boundary, as without other nodes to settle it with."""
@@ -27,8 +31,9 @@ snapshot at their next step boundary, as without other nodes to settle it with."
 class NoticeRelay:
     """One agent's notice, from its signal (or a worker's report) to the run's state.
 
-    ``wake`` asks the keeper for a tick now: when the agent's own signal came, after a
-    write, and once the notice has waited ``NOTICE_SETTLE_S``.
+    ``wake`` asks the keeper for a tick now: when the agent's own signal came or a worker
+    passed a notice on (``start`` watches for it), after a write, and once the notice has
+    waited ``NOTICE_SETTLE_S``.
     """
 
     def __init__(self, backend: StoreBackend, node: str, *, limits: Limits,
@@ -44,7 +49,20 @@ class NoticeRelay:
         self._seen: float | None = None  # when this node's notice was first seen
         self._recorded: float | None = None  # when it was written to the state
         self._stop_told = False  # the workers were told the job stops (durable snapshot)
+        self._closed = threading.Event()
         control.on_notice = wake
+
+    def start(self) -> None:
+        """Watch for a notice a worker passes on (the agent's own wakes the keeper itself)."""
+        def watch() -> None:
+            while not self._closed.wait(WATCH_S):
+                if self._control.notice() is not None:
+                    self._wake()
+                    return
+        threading.Thread(target=watch, name="etcd-ext-notices", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed.set()
 
     def act(self, state: RunState | None, token: object | None, dead: frozenset[str]) -> None:
         """Pass a whole-job stop on to the workers; record this node's notice in the state,
