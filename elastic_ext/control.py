@@ -103,6 +103,7 @@ class AgentControl:
         (self.path / STATE_SUBDIR).mkdir(mode=0o700, parents=True, exist_ok=True)
         self.on_notice: Callable[[], None] | None = None
         """Called after the agent's own notice is recorded (the keeper acts on it at once)."""
+        self._caught: int | None = None  # the signal ``catch_preemption`` took
 
     def publish_round(self, round_: int) -> None:
         for stale in [*self.path.glob("fault-*"), *self.path.glob(f"{_PEER_LOST}*"),
@@ -143,6 +144,7 @@ class AgentControl:
                     self.on_notice()
 
         signal.signal(signum, record)
+        self._caught = signum
         return True
 
     def record_progress(self) -> None:
@@ -186,6 +188,11 @@ class AgentControl:
             return None
 
     def close(self) -> None:
+        if self._caught is not None and threading.current_thread() is threading.main_thread():
+            # The agent is leaving: a notice now means nothing, and must not kill it while
+            # the interpreter ends (which puts back the default disposition, death).
+            signal.signal(self._caught, signal.SIG_IGN)
+            self._caught = None
         if not self._exported:
             return
         if os.environ.get(CONTROL_DIR_ENV) == str(self.path):

@@ -623,6 +623,18 @@ def test_a_notice_that_would_leave_fewer_than_min_stops_the_whole_job_with_a_sna
     assert lab.handler.num_nodes_waiting() == 0 and lab.events("job_stopping")
 
 
+def test_a_new_jobs_agent_ignores_the_stop_of_the_old_job_it_reads(
+        make_lab, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A requeued job's agents read the state of the job that stopped before they start a
+    new generation: that stop is not theirs."""
+    lab = make_lab(nnodes=(2, 3))
+    monkeypatch.setenv(CONTROL_DIR_ENV, str(lab.control.path))
+    lab.put_state(dataclasses.replace(closed_round(("a", "b")), stop="the old job stops"))
+    lab.keeper.tick()
+    lab.advance(1.0)
+    assert preemption_requested() is None
+
+
 def test_a_notice_the_store_cannot_take_stops_this_nodes_workers_with_a_snapshot(
         make_lab, monkeypatch: pytest.MonkeyPatch) -> None:
     lab = make_lab(nnodes=(1, 3))

@@ -154,9 +154,9 @@ when stopped: start all
 STEPS = {"etcd-outage": 400, "disk-full": 200, "freeze": 300, "partition": 300, "join": 500}
 DEFAULT_STEPS = 120
 
-CI = ("kill-worker", "kill-rank0", "join", "preempt", "etcd-leader")
+CI = ("kill-worker", "kill-rank0", "join", "preempt", "notice", "etcd-leader")
 """The fast subset CI runs: a worker crash, rank 0's machine dying, a join, a preemption
-and an etcd leader failure (the rest are in ``full``)."""
+of the whole job and of one node, and an etcd leader failure (the rest are in ``full``)."""
 
 GROUPS: dict[str, tuple[str, ...]] = {"ci": CI,
                                       "full": tuple(name for name in SCENARIOS if name != "tour")}

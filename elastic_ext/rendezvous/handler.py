@@ -211,7 +211,10 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         its exit status, as torch judges it."""
         if not workers_succeeded() or self._control.notice() is not None:
             return False
-        return self._control.done_reported() or not self.keeper.workers_report_steps
+        completed = self._memory.completed
+        spoke = self.keeper.workers_report_steps or (
+            completed is not None and self._control.progress_reported(completed[1]))
+        return self._control.done_reported() or not spoke
 
     def _start_keeper(self) -> None:
         """Heartbeat once and start the keeper, on the first rendezvous only.
