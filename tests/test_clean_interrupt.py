@@ -30,7 +30,9 @@ def readme_job(tmp: Path, port: int) -> list[str]:
             "--metrics", str(tmp / "metrics.jsonl"), "--step-delay", "0.01"]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+# Ctrl-C only: torch's agent turns SIGTERM into the same SignalException, which takes the
+# same path (tests/test_torch_compat.py checks that it still does).
+@pytest.mark.parametrize("sig", [signal.SIGINT], ids=["ctrl-c"])
 def test_a_stop_saves_ends_in_one_line_and_the_same_command_resumes(
         processes: ProcessSet, tmp_path: Path, sig: signal.Signals) -> None:
     metrics = tmp_path / "metrics.jsonl"

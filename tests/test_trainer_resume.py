@@ -1,6 +1,10 @@
 """Bit-exact resume: a run SIGKILLed after a snapshot and started again ends as an uninterrupted
-one, at 3 and 4 ranks too (where DDP's bucket layout decides how gloo rounds a sum: see
-``trainer.train.settle_buckets``)."""
+one, at 4 ranks too (where DDP's bucket layout decides how gloo rounds a sum: see
+``trainer.train.settle_buckets``).
+
+2 and 4 ranks: 1 rank takes the same path as 2 with a group of one, and 3 ranks (an odd
+world, the other bucket case) is the 3-node runs of ``tests/test_handoff_e2e.py``, which
+end bit-exact as well."""
 
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ pytestmark = pytest.mark.slow  # starts torchrun agents
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("nproc", [1, 2, 3, 4])
+@pytest.mark.parametrize("nproc", [2, 4])
 def test_killed_run_resumes_bit_exact(processes: ProcessSet, tmp_path: Path, nproc: int) -> None:
     ref = reference(processes, tmp_path, nproc)
     snaps, metrics = tmp_path / "snaps", tmp_path / "m.jsonl"
