@@ -69,6 +69,7 @@ EXPECTED_WORLDS = {
     "etcd-follower": [2], "etcd-leader": [2], "etcd-outage": [2], "kill-all": [2], "join": [2, 3],
     "preempt": [2], "disk-full": [2], "partition": [3, 2, 3], "notice": [3, 2],
     "notice-below-min": [2], "notice-spread": [3, 2, 3], "terminate-rank0": [3, 2],
+    "drop-two": [3, 1, 3],
 }
 NO_RESTART = {"etcd-follower", "etcd-leader", "etcd-outage", "disk-full"}
 NOTHING_LOST = {"join", "preempt", "notice", "notice-below-min", "notice-spread",

@@ -559,6 +559,23 @@ def test_a_node_that_wakes_after_the_run_was_removed_exits_at_once(make_lab) -> 
     assert lab.events("finished_away")
 
 
+def test_a_node_that_wakes_after_the_budget_was_spent_exits_naming_why(make_lab) -> None:
+    """Issue 23: the last node out keeps the state of a run that did not finish, so a node
+    that was frozen through the end reads how it ended instead of taking a missing state
+    for a finish (exit 0)."""
+    lab = make_lab(nnodes=(2, 2))
+    join_with_peer(lab)
+    lab.advance(1.0, beating=("peer",))
+    # frozen meanwhile: the job spent its budget, the peer left last and kept the state
+    lab.put_state(dataclasses.replace(lab.state(), status=Status.BUDGET_SPENT,
+                                      note="restart budget spent: 4 worker-failure restarts"))
+    lab.peer.leave("peer")
+    lab.advance(0.5)
+    assert lab.handler.num_nodes_waiting() == 1
+    with pytest.raises(RestartBudgetExhaustedError, match="restart budget spent"):
+        lab.handler.next_rendezvous()
+
+
 def test_a_finish_marks_the_run_and_a_node_waking_in_it_exits_at_once(
         make_lab, monkeypatch: pytest.MonkeyPatch) -> None:
     lab = make_lab(nnodes=(1, 2))

@@ -133,8 +133,13 @@ class Injector:
     def _cut_peers(self, action: Action) -> tuple[str, Undo | None]:
         return self._cut_network(action, peers_only=True)
 
-    def _cut_network(self, action: Action, *, peers_only: bool) -> tuple[str, Undo | None]:
-        """Take a node's link down (a partition), or only its way to the other nodes."""
+    def _drop(self, action: Action) -> tuple[str, Undo | None]:
+        return self._cut_network(action, peers_only=False, silently=True)
+
+    def _cut_network(self, action: Action, *, peers_only: bool,
+                     silently: bool = False) -> tuple[str, Undo | None]:
+        """Take a node's link down (a partition), or only its way to the other nodes, or
+        drop everything it sends while its link stays up (``silently``)."""
         if self.lab is None:
             raise InjectionError(f"{action.describe()} needs the nodes in network namespaces")
         lab = self.lab
@@ -145,12 +150,15 @@ class Injector:
             lab.cut_peers(index)
             self.cut_off.add(node.name)
             detail += ", store still reachable"
+        elif silently:
+            lab.drop(index)
+            detail += ", everything it sends dropped"
         else:
             lab.cut(index)
         self.impaired.add(node.name)
 
         def heal() -> str:
-            (lab.heal_peers if peers_only else lab.heal)(index)
+            (lab.heal_peers if peers_only else lab.undrop if silently else lab.heal)(index)
             self.impaired.discard(node.name)
             return node.name
         assert action.duration is not None

@@ -130,6 +130,15 @@ nodes = 3
 {common}
 at step 35: partition node other for 15s
 """,
+    "drop-two": """\
+# Two of three machines drop off the network without a word (everything they send is
+# dropped, each node in its own network namespace) for 15 s; the third trains on alone.
+nodes = 3
+nnodes = 1:3
+{common}
+at step 35: drop node other for 15s
+after 0s: drop node other for 15s
+""",
     "tour": """\
 # The issue's example: several faults in one run (the picture in docs/chaos.md).
 nodes = 3
@@ -151,7 +160,8 @@ when stopped: start all
 # node must wake up while the job still runs, to rejoin it.
 # A joining node must be ready (its torchrun and warm-start server up: 10 s on a slow
 # machine, 14 s on a busy one) while the job still trains.
-STEPS = {"etcd-outage": 400, "disk-full": 200, "freeze": 300, "partition": 300, "join": 500}
+STEPS = {"etcd-outage": 400, "disk-full": 200, "freeze": 300, "partition": 300, "join": 500,
+         "drop-two": 400}
 DEFAULT_STEPS = 120
 
 CI = ("kill-worker", "kill-rank0", "join", "preempt", "notice", "etcd-leader")

@@ -14,7 +14,8 @@ thread that has joined the switch namespace (:func:`call_in`), never from the ro
 namespace. A partition takes a node's ``eth0`` down (this kernel has no ``tc netem``;
 a link down needs nothing but iproute2); cutting a node off its peers only adds
 blackhole routes for the other nodes' addresses inside its namespace, so its packets
-to them, its answers included, are dropped while the store stays reachable.
+to them, its answers included, are dropped while the store stays reachable; a silent
+drop routes the whole range to a blackhole there, the store included.
 
 Every command needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN); :func:`unavailable` says
 why when this machine cannot do it, so the caller can skip with that reason.
@@ -50,6 +51,8 @@ STATE_DIR = Path("/run/elastic-ext-chaos")
 _CLONE_NEWNET = 0x40000000
 # .8 to .255 of a lab's /24: every node address, never the switch's .1 (the store)
 _PEER_BLOCKS = ("8/29", "16/28", "32/27", "64/26", "128/25")
+# the whole /24, store included, as two halves more specific than the link's own route
+_ALL_BLOCKS = ("0/25", "128/25")
 
 
 class NetnsError(RuntimeError):
@@ -265,12 +268,27 @@ class NetnsLab:
     def cut_peers(self, node: int) -> None:
         """Drop what ``node`` sends to the other nodes, and so its answers to them; the
         store (``.1``) stays reachable. Node addresses start at ``.10``."""
-        for block in _PEER_BLOCKS:
+        self._blackhole(node, _PEER_BLOCKS)
+
+    def heal_peers(self, node: int) -> None:
+        self._unblackhole(node, _PEER_BLOCKS)
+
+    def drop(self, node: int) -> None:
+        """Drop everything ``node`` sends, the store included, without a word: its link stays
+        up and its kernel takes connections in, but no answer comes back (a machine that
+        vanished, a switch port dead). Others' connects to it time out, never refused."""
+        self._blackhole(node, _ALL_BLOCKS)
+
+    def undrop(self, node: int) -> None:
+        self._unblackhole(node, _ALL_BLOCKS)
+
+    def _blackhole(self, node: int, blocks: tuple[str, ...]) -> None:
+        for block in blocks:
             _ip("-n", self.plan.node_ns(node), "route", "add", "blackhole",
                 f"{NETWORK}.{self.plan.index}.{block}")
 
-    def heal_peers(self, node: int) -> None:
-        for block in _PEER_BLOCKS:
+    def _unblackhole(self, node: int, blocks: tuple[str, ...]) -> None:
+        for block in blocks:
             with contextlib.suppress(NetnsError):
                 _ip("-n", self.plan.node_ns(node), "route", "del", "blackhole",
                     f"{NETWORK}.{self.plan.index}.{block}")

@@ -33,6 +33,9 @@ that neither hosts rank 0 nor the embedded store — or ``all``):
   (the nodes then run in network namespaces);
 - ``cut peers of node TARGET for D``: the node still reaches the store but neither
   reaches the other nodes nor answers them, for D (network namespaces too);
+- ``drop node TARGET for D``: everything the node sends is dropped without a word, the
+  store included, for D: its link stays up, others' connects to it time out (network
+  namespaces too);
 - ``preempt all``: SIGUSR2 to every worker and etcd-ext agent, as SLURM's
   ``--signal=USR2@N`` does; ``preempt agents``: to the agents alone (a notice that
   comes between rounds, or that only torchrun gets);
@@ -61,7 +64,7 @@ __all__ = ["SETTINGS", "Action", "Fault", "Scenario", "ScenarioError", "Settings
            "parse"]
 
 
-NETNS_VERBS = ("partition", "cut-peers")
+NETNS_VERBS = ("partition", "cut-peers", "drop")
 """Actions that need every node in a network namespace of its own."""
 
 
@@ -215,13 +218,14 @@ class Action:
     @property
     def crash(self) -> bool:
         """Whether the job may lose the steps since its last snapshot because of this fault."""
-        return self.verb in ("kill-worker", "kill-node", "freeze", "partition", "cut-peers")
+        return self.verb in ("kill-worker", "kill-node", "freeze", "partition", "cut-peers",
+                             "drop")
 
     def describe(self) -> str:
         words = {
             "kill-worker": f"kill worker {self.target}", "kill-node": f"kill node {self.target}",
             "freeze": f"freeze node {self.target}", "partition": f"partition node {self.target}",
-            "cut-peers": f"cut peers of node {self.target}",
+            "cut-peers": f"cut peers of node {self.target}", "drop": f"drop node {self.target}",
             "preempt": f"preempt {self.target}",
             "notice": f"notice node {self.target}" if self.target != "all"
             else f"notice all over {self.duration or 0:g}s",
@@ -291,6 +295,8 @@ _ACTIONS: list[tuple[re.Pattern[str], Callable[[re.Match[str]], Action]]] = [
      lambda m: Action("partition", m.group(1), duration=float(m.group(2)))),
     (re.compile(rf"cut peers of node {_NODE_TARGET} for {_DURATION}"),
      lambda m: Action("cut-peers", m.group(1), duration=float(m.group(2)))),
+    (re.compile(rf"drop node {_NODE_TARGET} for {_DURATION}"),
+     lambda m: Action("drop", m.group(1), duration=float(m.group(2)))),
     (re.compile(r"preempt (all|agents)"), lambda m: Action("preempt", m.group(1))),
     (re.compile(r"notice node (\d+|rank0|other)"), lambda m: Action("notice", m.group(1))),
     (re.compile(rf"notice all over {_DURATION}"),
@@ -347,7 +353,8 @@ def parse(text: str, name: str = "scenario") -> Scenario:
             if action is None:
                 raise ScenarioError(f"unknown action {what!r} (kill worker|node T, "
                                     "freeze|partition node T for Ds, "
-                                    "cut peers of node T for Ds, preempt all|agents, "
+                                    "cut peers of node T for Ds, drop node T for Ds, "
+                                    "preempt all|agents, "
                                     "notice node T, notice all over Ds, terminate node T, "
                                     "start node, "
                                     "start N nodes, start all, "
@@ -382,7 +389,7 @@ def _validate(settings: Settings, faults: tuple[Fault, ...] | list[Fault],
                 fail(fault, "kill etcd needs store = etcd")
             if action.target == "follower" and settings.etcd_members < 3:
                 fail(fault, "kill etcd follower needs etcd-members = 3")
-        if action.verb in ("freeze", "partition", "cut-peers") and action.target == "all":
+        if action.verb in ("freeze", "partition", "cut-peers", "drop") and action.target == "all":
             fail(fault, f"{action.verb} needs one node, not all")
         if action.verb == "kill-worker" and action.target == "all":
             fail(fault, "kill worker needs one node, not all")

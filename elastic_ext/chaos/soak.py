@@ -63,6 +63,8 @@ KINDS: dict[str, str] = {
     "etcd-member": "kill the etcd leader or a follower for a while (3 members)",
     "etcd-restart": "kill every etcd member, start them again on their data directories",
     "partition": "take a node's network link down for a while (network namespaces, root)",
+    "drop": "drop everything a node sends, without a word, for a while (network namespaces, "
+            "root)",
     "cut-peers": "cut a node off the other nodes, not off etcd, for 90 s (network namespaces, "
                  "root): the job leaves it out, then a new node starts",
 }
@@ -81,7 +83,7 @@ CUT_PEERS_S = 90
 """How long ``cut-peers`` lasts: past the trainer's collective timeout and the round that
 leaves the node out."""
 
-LASTING = ("freeze", "partition", "etcd-member", "etcd-restart")
+LASTING = ("freeze", "partition", "drop", "etcd-member", "etcd-restart")
 """Kinds that last a while; their duration is drawn from :data:`DOWN_S`."""
 
 DOWN_S = (5, 15)
@@ -97,7 +99,7 @@ STARTUP_S = 7.0
 STALL_S: dict[str, float] = {
     "kill-worker": 1.0, "kill-node": 1.0, "kill-rank0": 1.0, "freeze": 4.0, "join": 1.0,
     "preempt": 7.0, "notice": 2.0, "notice-all": 9.0, "terminate-rank0": 2.0,
-    "etcd-member": 0.0, "etcd-restart": 0.0, "partition": 5.0,
+    "etcd-member": 0.0, "etcd-restart": 0.0, "partition": 5.0, "drop": 5.0,
     "cut-peers": 65.0,
 }
 MIN_TRAIN_S = 5.0   # training between two faults, however short the gap
@@ -343,6 +345,8 @@ def _lines(kind: str, step: int, down: int, live: int, nodes: int,
         return (at + f"freeze node other for {down}s",), live
     if kind == "partition":
         return (at + f"partition node other for {down}s",), live
+    if kind == "drop":
+        return (at + f"drop node other for {down}s",), live
     if kind == "cut-peers":  # the node is left out and exits, like a killed one
         line = at + f"cut peers of node other for {CUT_PEERS_S}s"
         if live > nodes:

@@ -1,0 +1,35 @@
+"""A node that only beats, as an etcd-ext agent's keeper does: its heartbeat in etcd every
+half second, with the port it listens on for presence probes. For tests of the watcher.
+
+    python tests/support/beating_node.py NODE ENDPOINT RUN_ID
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from elastic_ext.rendezvous.etcd_backend import EtcdBackend
+from elastic_ext.rendezvous.presence import PresenceListener
+from elastic_ext.rendezvous.settings import parse_settings
+
+INTERVAL_S = 0.5  # the default heartbeat_interval
+
+
+def main() -> None:
+    node, endpoint, run_id = sys.argv[1:4]
+    settings = parse_settings(endpoint=endpoint, run_id=run_id, min_nodes=1, max_nodes=64,
+                              conf={})
+    backend = EtcdBackend.connect(settings)
+    listener = PresenceListener()
+    while True:
+        try:
+            backend.keeper_read(node, listener.port, [])
+        except Exception as exc:  # dropped off the network: the watcher sees silence
+            print(f"{node}: {exc}", file=sys.stderr, flush=True)
+        listener.drain()
+        time.sleep(INTERVAL_S)  # the beat's own period, not a wait for anything
+
+
+if __name__ == "__main__":
+    main()
