@@ -397,10 +397,13 @@ class Trainer:
                        else "a peer was signalled")
         self.snapshots.keep_local(self.step, self._state())
         self._commit_now()
-        self.metrics.emit("preempted", self.step,
-                          signal=signal.Signals(received).name if received else None)
         self.progress.finish("preempted")
         code = self.guard.preempted_exit_code()
+        # After the wait for this worker's own signal: under etcd-ext its agent may tell it
+        # of the job's stop a moment after a peer's agent did.
+        received = self.guard.signalled
+        self.metrics.emit("preempted", self.step,
+                          signal=signal.Signals(received).name if received else None)
         self.close()
         exit_now(code)
 
