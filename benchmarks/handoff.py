@@ -638,19 +638,22 @@ def part_healthy(args: argparse.Namespace, root: Path) -> None:
     current = statistics.median(r.step_s for r in runs["current"]) if runs["current"] else 0.0
     share = f", {added / current * 100:.4f} % of a current step" if current else ""
     print(f"\nWhat a healthy step does more, timed alone: the lock around the optimizer and "
-          f"scheduler update (`LastStep.advancing`) {added * 1e6:.2f} us per step{share}; the "
+          f"scheduler update (`HeldStep.updating`) {added * 1e6:.2f} us per step{share}; the "
           f"step-boundary all-reduce carries one float64 more (the same single collective).")
 
 
 def added_work_per_step(calls: int = 200_000) -> float:
     """Seconds per step of the bookkeeping the hand-off adds to a healthy step."""
-    from trainer.data import DataPosition
-    from trainer.train import LastStep
+    import torch
 
-    last, position = LastStep(0, DataPosition()), DataPosition(0, 16)
+    from elastic_ext.snapshot import HeldStep
+    from trainer.data import DataPosition
+
+    last = HeldStep(0, DataPosition(), device=torch.device("cpu"))
+    position = DataPosition(0, 16)
     started = time.perf_counter()
     for step in range(calls):
-        with last.advancing(step, position):
+        with last.updating(step, position):
             pass
     return (time.perf_counter() - started) / calls
 

@@ -28,6 +28,7 @@ MATCHES_HOSTNAME = "torch.distributed.elastic.rendezvous.utils._matches_machine_
 SIGNAL_EXCEPTION = "torch.distributed.elastic.multiprocessing.api.SignalException"
 EXIT_BARRIER_KEY = "torch.distributed.elastic.agent.server.api._TERMINAL_STATE_SYNC_ID"
 BARRIER_CHECK_IN = "torch.distributed.elastic.utils.store._barrier_nonblocking"
+BACKEND_ERROR = "torch._C._distributed_c10d.Backend.get_error"
 
 STOPPED_LINE = ("torchrun stopped by {signal}: its workers got it too (the bundled trainer, and "
                 "loops using elastic_ext.preemption, save a snapshot and exit 0); torchrun "
@@ -130,6 +131,30 @@ def check_in_at_exit_barrier(store: Any, world_size: int) -> None:
     from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
     _barrier_nonblocking(store=store, world_size=world_size, key_prefix=_TERMINAL_STATE_SYNC_ID)
+
+
+def communicator_error(group: Any = None) -> str | None:
+    """Why the default group's NCCL communicator failed (``TIMEOUT``, ``COMM_ERROR``,
+    ``REMOTE_ERROR``: torch's ``ErrorType``), None while it is healthy or it is not NCCL.
+
+    ``ProcessGroupNCCL::getError`` (``BACKEND_ERROR``, bound only in CUDA builds) records
+    the first failure the watchdog saw, before the training thread raises it, so a step
+    the device finished after that is known not to have been reduced properly. gloo fails
+    in the calling thread instead and does not support it: None.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if dist.get_backend(pg) != "nccl":
+        return None
+    get_error = getattr(pg._get_backend(torch.device("cuda")), "get_error", None)
+    if get_error is None:  # a torch without it: the training thread's exception tells
+        return None
+    error = get_error()
+    return None if error.name == "SUCCESS" else str(error.name)
 
 
 def matches_machine_hostname(host: str) -> bool:

@@ -165,6 +165,25 @@ def test_heartbeats_advance_and_leaving_is_visible(backend):
     assert backend.read_beats(["n1"])["n1"] == LEFT
 
 
+def test_a_heartbeat_after_leaving_does_not_overwrite_left(make_backend) -> None:
+    """A keeper thread that outlived its stop beats through a clone after the agent left:
+    the node must still read LEFT, or the last node out keeps the run's keys. A new agent
+    of the same name (a requeued job) beats again."""
+    agent = make_backend()
+    keeper = agent.clone()
+    keeper.beat("n1")
+    agent.leave("n1")
+    keeper.beat("n1")
+    keeper.keeper_read("n1", 1234, ["n1"])
+    assert agent.read_beats(["n1"])["n1"] == LEFT
+    agent.close()
+    keeper.close()
+    requeued = make_backend()
+    requeued.beat("n1")
+    assert requeued.read_beats(["n1"])["n1"] not in (None, LEFT)
+    requeued.close()
+
+
 def test_round_store_supports_what_torchs_agent_does_with_it(backend):
     store = backend.round_store("gen1", 3)
     store.set("torchelastic/role_info/0", b"r0")

@@ -7,6 +7,7 @@ import importlib
 import inspect
 import re
 import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -125,3 +126,26 @@ def test_a_leaving_agents_check_in_completes_torchs_exit_barrier_for_the_others(
     store = dist.HashStore()
     torch_compat.check_in_at_exit_barrier(store, world_size=2)  # the agent that left
     barrier(store, world_size=2, key_prefix=key, barrier_timeout=5)  # the other: no wait
+
+
+def test_the_communicator_error_is_read_where_torch_keeps_it() -> None:
+    """The CPU build has no ProcessGroupNCCL: check the method torch declares on every
+    backend, the error names it returns, and that a gloo group (which raises in the
+    calling thread instead) reads as healthy."""
+    import torch
+    import torch.distributed as dist
+
+    stubs = (Path(torch.__file__).parent / "_C" / "_distributed_c10d.pyi").read_text()
+    backend_stub = stubs[stubs.index("class Backend:"):]
+    backend_stub = backend_stub[:backend_stub.index("\nclass ")]
+    assert "def get_error(self) -> ErrorType" in backend_stub, (
+        f"torch no longer declares {torch_compat.BACKEND_ERROR}: communicator_error() "
+        "cannot tell a failed NCCL communicator")
+    names = set(_resolve("torch._C._distributed_c10d.ErrorType").__members__)
+    assert {"SUCCESS", "TIMEOUT", "COMM_ERROR", "REMOTE_ERROR"} <= names
+    assert torch_compat.communicator_error() is None  # no process group
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert torch_compat.communicator_error() is None
+    finally:
+        dist.destroy_process_group()

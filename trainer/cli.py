@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="global rank 0 prints a progress line to stdout every SECONDS, and at "
                         "every worker generation's start and at the end; a live bar instead on "
                         "a terminal with tqdm installed; 0 turns it off (default 10)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where to train: cuda:LOCAL_RANK, the CPU, or auto (a GPU when there "
+                        "is one; default)")
+    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                   help="collectives: auto is NCCL on a GPU, gloo on the CPU; gloo on a GPU "
+                        "lets several ranks share one (default auto)")
     p.add_argument("--log-level", default=os.environ.get("TRAINER_LOG_LEVEL", "INFO"))
     return p
 
@@ -65,6 +71,9 @@ def parse_settings(argv: Sequence[str] | None = None) -> tuple[TrainSettings, st
     args = build_parser().parse_args(argv)
     if args.steps < 0 or args.snapshot_every < 0 or args.keep < 1:
         raise SystemExit("--steps and --snapshot-every must be >= 0, --keep >= 1")
+    if args.backend == "nccl" and args.device == "cpu":
+        raise SystemExit("--backend nccl needs a GPU: use --device cuda (or auto), or "
+                         "--backend gloo")
     if not args.progress_every >= 0 or math.isinf(args.progress_every):
         raise SystemExit("--progress-every must be a finite number of seconds >= 0")
     settings = TrainSettings(
@@ -74,7 +83,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> tuple[TrainSettings, st
         lr=args.lr, warmup_steps=args.warmup_steps, collective_timeout=args.collective_timeout,
         stop_grace=args.stop_grace, preempt_grace=args.preempt_grace,
         hold_timeout=args.hold_timeout, record_samples=args.record_samples,
-        progress_every=args.progress_every)
+        progress_every=args.progress_every, device=args.device, backend=args.backend)
     return settings, args.log_level
 
 

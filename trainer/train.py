@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import math
 import os
 import signal
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -25,8 +22,21 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic_ext import control
+from elastic_ext.distributed import (
+    BackendChoice,
+    DeviceChoice,
+    choose_device,
+    init_process_group,
+)
 from elastic_ext.preemption import GuardSettings, PreemptionGuard, exit_now
-from elastic_ext.snapshot import Restored, SnapshotError, SnapshotInfo, Snapshotter, Source
+from elastic_ext.snapshot import (
+    HeldStep,
+    Restored,
+    SnapshotError,
+    SnapshotInfo,
+    Snapshotter,
+    Source,
+)
 from elastic_ext.warm.worker import launched_at
 from trainer.data import DataPosition, next_batch, shard
 from trainer.metrics import MetricsLog
@@ -34,13 +44,6 @@ from trainer.model import MODEL_SIZES, SyntheticTask, build_model, params_sha256
 from trainer.progress import Progress, open_progress
 
 logger = logging.getLogger(__name__)
-
-NCCL_ERROR_HANDLING = "2"
-"""TORCH_NCCL_ASYNC_ERROR_HANDLING for the trainer: CleanUpOnly. torchrun's default (1,
-TearDown) aborts the process when a collective fails, so the worker could never report
-the failure to its agent and hold; with 2 the communicators are aborted and the
-failure is raised in the training thread instead."""
-
 
 @dataclass(frozen=True)
 class TrainSettings:
@@ -64,6 +67,8 @@ class TrainSettings:
     hold_timeout: float = 60.0
     record_samples: Path | None = None
     progress_every: float = 10.0
+    device: DeviceChoice = "auto"
+    backend: BackendChoice = "auto"
 
 
 @dataclass(frozen=True)
@@ -95,20 +100,20 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
     return ramp * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def init_distributed(env: DistEnv, timeout_s: float) -> torch.device:
-    """NCCL with one GPU per LOCAL_RANK when CUDA is available, gloo otherwise; short timeouts."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if torch.cuda.is_available():
-        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ERROR_HANDLING
-        torch.cuda.set_device(env.local_rank)
-        backend, device = "nccl", torch.device("cuda", env.local_rank)
-    else:
-        backend, device = "gloo", torch.device("cpu")
+def init_distributed(env: DistEnv, settings: TrainSettings) -> torch.device:
+    """NCCL with one GPU per LOCAL_RANK when CUDA is available (``--device``,
+    ``--backend`` choose otherwise), gloo on the CPU; collectives time out after
+    ``--collective-timeout`` (``elastic_ext.distributed.init_process_group``)."""
+    try:
+        device = choose_device(settings.device, env.local_rank)
+    except ValueError as exc:
+        raise SystemExit(f"trainer: {exc}") from None
     if env.under_launcher:
-        dist.init_process_group(backend, timeout=timeout)
+        init_process_group(timeout_s=settings.collective_timeout, device=device,
+                           backend=settings.backend)
     else:  # a lone process: same code path, a one-rank group
-        store = dist.HashStore()
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        init_process_group(timeout_s=settings.collective_timeout, device=device,
+                           backend=settings.backend, store=dist.HashStore())
     return device
 
 
@@ -129,28 +134,6 @@ class SampleRecorder:
 
     def close(self) -> None:
         os.close(self._fd)
-
-
-class LastStep:
-    """Which completed step the model, optimizer and scheduler hold right now, and where the
-    data stands after it; None while an update is being applied.
-
-    A worker that leaves mid-step keeps this state from whichever thread gets there (the
-    watchdog, when the main thread is stuck in a collective), so an update must not be
-    half applied then: the lock is held while the optimizer and scheduler step.
-    """
-
-    def __init__(self, step: int, position: DataPosition) -> None:
-        self.lock = threading.Lock()
-        self.held: tuple[int, DataPosition] | None = (step, position)
-
-    @contextmanager
-    def advancing(self, step: int, position: DataPosition) -> Iterator[None]:
-        """Around the update that completes ``step``; ``position`` is the data after it."""
-        with self.lock:
-            self.held = None
-            yield
-            self.held = (step, position)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -217,7 +200,7 @@ class Trainer:
         self.guard = guard
         self.env = DistEnv.from_environ()
         self._times = {"launched_at": launched_at(), "main_at": main_at or time.time()}
-        self.device = init_distributed(self.env, settings.collective_timeout)
+        self.device = init_distributed(self.env, settings)
         self._times["pg_ready_at"] = time.time()
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -244,7 +227,7 @@ class Trainer:
             stream=sys.stdout)
         self.step = 0
         self.position = DataPosition()
-        self.last = LastStep(self.step, self.position)
+        self.last = HeldStep(self.step, self.position, device=self.device)
         self._restored_age_s: float | None = None
         self._restore_event: dict[str, Any] = {}
         guard.keep_state = self._keep_last_step  # last: it reads what is set above
@@ -275,7 +258,7 @@ class Trainer:
                            data["global_batch_size"], s.global_batch_size, data["offset"])
         self.step = restored.step
         self.position = DataPosition.from_state(data)
-        self.last = LastStep(self.step, self.position)
+        self.last = HeldStep(self.step, self.position, device=self.device)
         if restored.created is not None and restored.source == Source.DISK:
             self._restored_age_s = max(0.0, time.time() - restored.created)
         return restored.step
@@ -292,18 +275,16 @@ class Trainer:
 
     def _keep_last_step(self, why: str) -> None:
         """Keep the completed step the state holds in node memory (the guard calls this
-        before the worker leaves mid-step, from any thread)."""
-        with self.last.lock:
-            held = self.last.held
-            if held is None:
-                logger.warning("not keeping the state: it was being updated when the worker "
-                               "had to leave (%s)", why)
-                return
-            step, position = held
-            kept = self.snapshots.keep_local(step, self._state(position))
-        if kept is not None:
+        before the worker leaves mid-step, from any thread); on a GPU only a step the
+        device finished (``HeldStep``)."""
+        result = self.last.keep(
+            lambda step, position: self.snapshots.stage_kept(self._state(position)),
+            self.snapshots.write_kept)
+        step = result[0] if result is not None else (self.last.step or self.step)
+        kept = result is not None and result[1] is not None
+        if kept:
             logger.info("kept the state of step %d in node memory (%s)", step, why)
-        self.metrics.emit("fault", step, why=why, kept=step if kept is not None else None)
+        self.metrics.emit("fault", step, why=why, kept=step if kept else None)
 
     def run(self) -> int:
         s = self.settings
@@ -328,12 +309,13 @@ class Trainer:
             try:
                 loss_sum = train_step(ddp, self.optimizer, self.scheduler, self.task, mine,
                                       s.global_batch_size, self.world_size, self.device,
-                                      updating=self.last.advancing(self.step + 1, after))
+                                      updating=self.last.updating(self.step + 1, after))
                 if self.recorder is not None:
                     self.recorder.record(self.step + 1, after.epoch, mine, ids)
                 if s.step_delay > 0:
                     time.sleep(s.step_delay)
                 agreed = self.guard.agree(loss_sum.reshape(1))
+                self.last.confirm()  # the host read the agreement: the update is done
             except Exception as exc:
                 self.progress.close()
                 exit_now(self.guard.failure_exit_code(exc))  # re-raises what is not a peer's fault

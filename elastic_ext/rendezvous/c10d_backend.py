@@ -96,8 +96,12 @@ def decode_state(raw: bytes) -> bytes:
 class C10dBackend(StoreBackend):
     """The run's keys on the embedded TCPStore; see :class:`StoreBackend` for the contract."""
 
-    def __init__(self, settings: Settings, store: TCPStore, *, hosts_store: bool = False) -> None:
+    def __init__(self, settings: Settings, store: TCPStore, *, hosts_store: bool = False,
+                 left: set[str] | None = None) -> None:
         self._settings = settings
+        # Nodes this agent marked left, shared with the clones: a late heartbeat (a keeper
+        # thread that outlived its stop) must not overwrite LEFT.
+        self._left: set[str] = set() if left is None else left
         self._tcp = store
         self._prefixed = PrefixStore(settings.run_prefix, store)
         self._store = cast(ByteStore, self._prefixed)
@@ -250,7 +254,8 @@ class C10dBackend(StoreBackend):
     def beat(self, node: str, presence_port: int | None = None) -> None:
         self._beats += 1
         value = heartbeat_value(self._beats, presence_port)
-        self._run("beat", lambda: self._store.set(f"hb/{node}", value))
+        if node not in self._left:
+            self._run("beat", lambda: self._store.set(f"hb/{node}", value))
 
     def remove_run(self) -> None:
         current = self.get_state()
@@ -265,6 +270,7 @@ class C10dBackend(StoreBackend):
         self._run("delete_key", delete)
 
     def leave(self, node: str) -> None:
+        self._left.add(node)
         self._run("leave", lambda: self._store.set(f"hb/{node}", LEFT))
 
     def read_beats(self, nodes: Iterable[str]) -> dict[str, bytes | None]:
@@ -295,4 +301,4 @@ class C10dBackend(StoreBackend):
             client = TCPStore(endpoint.host, self._tcp.port, is_master=False,
                               wait_for_workers=False, multi_tenant=True,
                               timeout=timedelta(seconds=self._settings.timeouts.connect))
-        return C10dBackend(self._settings, client)
+        return C10dBackend(self._settings, client, left=self._left)

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from torch.distributed import Store
 
@@ -57,6 +57,7 @@ class _Lease:
     ttl: int
     id: int | None = None
     refreshed: float = 0.0
+    left: bool = False  # the agent left the run: no heartbeat may follow its LEFT marker
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -213,14 +214,18 @@ class EtcdBackend(StoreBackend):
         many = len(watched) > 8
         reads = [op_range(hb_prefix, prefix=True)] if many else \
             [op_range(hb_prefix + n) for n in watched]
-        replies = self._lease_retry(lambda: self._client.txn(
-            [op_put(hb_prefix + node, value, lease=self._current_lease()),
-             op_range(self._state_key, keys_only=True), op_range(self._prefix + "verdict"),
-             *reads]))
-        state_kvs, _ = range_reply(replies[1])
-        verdict_kvs, _ = range_reply(replies[2])
+
+        def beat_and_read() -> list[dict[str, Any]]:
+            lease = self._current_lease()
+            beat = [] if lease is None else [op_put(hb_prefix + node, value, lease=lease)]
+            replies = self._client.txn([*beat, op_range(self._state_key, keys_only=True),
+                                        op_range(self._prefix + "verdict"), *reads])
+            return replies[len(beat):]
+        replies = self._lease_retry(beat_and_read)
+        state_kvs, _ = range_reply(replies[0])
+        verdict_kvs, _ = range_reply(replies[1])
         found = {kv.key.decode()[len(hb_prefix):]: kv.value
-                 for reply in replies[3:] for kv in range_reply(reply)[0]}
+                 for reply in replies[2:] for kv in range_reply(reply)[0]}
         return KeeperRead(state_kvs[0].mod_revision if state_kvs else None,
                           {n: found.get(n) for n in watched},
                           verdict_kvs[0].value if verdict_kvs else None)
@@ -228,14 +233,21 @@ class EtcdBackend(StoreBackend):
     def beat(self, node: str, presence_port: int | None = None) -> None:
         self._beats += 1
         value = heartbeat_value(self._beats, presence_port)
-        self._lease_retry(lambda: self._client.put(f"{self._prefix}hb/{node}", value,
-                                                   lease=self._current_lease()))
 
-    def _current_lease(self) -> int:
+        def put() -> None:
+            lease = self._current_lease()
+            if lease is not None:
+                self._client.put(f"{self._prefix}hb/{node}", value, lease=lease)
+        self._lease_retry(put)
+
+    def _current_lease(self) -> int | None:
         """This agent's lease, kept alive: heartbeat keys hang on it, so a dead agent's
-        key disappears. One per agent: the backend's clones share it."""
+        key disappears. One per agent: the backend's clones share it. None once the agent
+        left: its heartbeat is over."""
         lease = self._lease
         with lease.lock:
+            if lease.left:
+                return None
             now = time.monotonic()
             if lease.id is None:
                 lease.id = self._client.lease_grant(lease.ttl)
@@ -252,13 +264,26 @@ class EtcdBackend(StoreBackend):
             if "lease not found" not in str(exc):
                 raise
             with self._lease.lock:
-                self._lease.id = None  # expired while etcd was out of reach: take a new one
-            return write()
+                self._lease.id = None  # expired while etcd was out of reach, or revoked
+            return write()           # on leaving (then the write beats no more)
 
     def remove_run(self) -> None:
         self._client.delete_prefix(self._prefix)
 
     def leave(self, node: str) -> None:
+        """Revokes the lease first: a heartbeat still on its way (a keeper thread that
+        outlived its stop) then fails on the missing lease instead of landing after LEFT,
+        where the last node out would read this node as still there and keep the run's
+        keys."""
+        with self._lease.lock:
+            self._lease.left = True
+            lease, self._lease.id = self._lease.id, None
+        if lease is not None:
+            try:
+                self._client.lease_revoke(lease)
+            except StoreUnavailableError as exc:
+                if "lease not found" not in str(exc):
+                    raise
         self._client.put(f"{self._prefix}hb/{node}", LEFT)
 
     def read_beats(self, nodes: Iterable[str]) -> dict[str, bytes | None]:

@@ -376,3 +376,7 @@ class EtcdClient:
 
     def lease_keepalive(self, lease: int) -> None:
         self.call("/lease/keepalive", {"ID": str(lease)})
+
+    def lease_revoke(self, lease: int) -> None:
+        """Ends the lease and deletes the keys attached to it."""
+        self.call("/lease/revoke", {"ID": str(lease)})

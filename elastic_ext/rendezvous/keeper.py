@@ -1,11 +1,10 @@
 """The agent's background thread: heartbeat, watch the others, tell torch when to restart.
 
-torch's agent polls ``num_nodes_waiting()`` every monitor interval while its
-workers are healthy and restarts them, without spending a local restart, when
-it is positive. The keeper makes that number cover every reason to leave the
-current round: a dead or frozen participant, a node waiting to join, a newer
-round, or a worker's report that a peer failed. It never blocks the agent: the
-agent reads the keeper's last verdict.
+torch's agent polls ``num_nodes_waiting()`` every monitor interval while its workers are
+healthy and restarts them, without spending a local restart, when it is positive. The
+keeper makes that number cover every reason to leave the current round: a dead or frozen
+participant, a node waiting to join, a newer round, or a worker's report that a peer
+failed. It never blocks the agent: the agent reads the keeper's last verdict.
 
 One keeper judges everyone (the watcher: ``joins.closer_of``) and publishes its
 ``liveness.Verdict``; the others read it with their own heartbeat, one request a tick,
@@ -180,6 +179,8 @@ class Keeper:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5 * self._interval + 5)
+            if self._thread.is_alive():  # leaving revokes its heartbeat (etcd_backend.leave)
+                logger.warning("etcd-ext: keeper still in a store call; leaving without it")
         self._notices.close()
         self._probe.close()
         self._presence.close()

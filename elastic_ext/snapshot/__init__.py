@@ -21,15 +21,17 @@ This package exports what a training loop and an operator need. The parts, one
 job each, are importable on their own: ``layout`` (file names, the manifest),
 ``retention`` (what to keep and delete), ``durable`` (atomic writes, verification),
 ``payload`` (the file format), ``tree`` (the walk over a state tree), ``staging``
-(host buffers), ``rng`` (RNG states), ``local`` (copies in node memory),
-``agreement`` (who restores what, decided), ``handoff`` (the collectives that move
-it), ``errors`` and ``hook`` (:class:`Snapshotter`).
+(host buffers), ``held`` (which step the state holds, on the CPU and the GPU), ``rng``
+(RNG states), ``local`` (copies in node memory), ``agreement`` (who restores what,
+decided), ``handoff`` (the collectives that move it), ``errors`` and ``hook``
+(:class:`Snapshotter`).
 """
 
 from __future__ import annotations
 
 from elastic_ext.snapshot.durable import newest_valid, verify
 from elastic_ext.snapshot.errors import SnapshotError, SnapshotMismatchError, SnapshotWriteError
+from elastic_ext.snapshot.held import HeldStep
 from elastic_ext.snapshot.hook import (
     DEFAULT_KEEP,
     Restored,
@@ -44,6 +46,7 @@ from elastic_ext.snapshot.payload import load_payload
 
 __all__ = [
     "DEFAULT_KEEP",
+    "HeldStep",
     "LocalCopies",
     "Manifest",
     "Restored",

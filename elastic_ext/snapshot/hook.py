@@ -35,7 +35,7 @@ from elastic_ext.snapshot.local import LocalCopies
 from elastic_ext.snapshot.payload import load_payload, load_payload_buffer
 from elastic_ext.snapshot.retention import stale_tmp_files
 from elastic_ext.snapshot.rng import capture_rng, restore_rng
-from elastic_ext.snapshot.staging import HostStaging
+from elastic_ext.snapshot.staging import HostStaging, stage_for_keep
 
 logger = logging.getLogger("elastic_ext.snapshot")  # the whole package logs under one name
 
@@ -43,6 +43,9 @@ DEFAULT_KEEP = 3
 RNG_KEY = "__rng__"
 WRITER_NICE_ENV = "ELASTIC_EXT_SNAPSHOT_NICE"
 DEFAULT_WRITER_NICE = 10
+KEEP_COPY_TIMEOUT_S = 2.0
+"""How long a keep waits for the device to copy the state to the host: within the
+trainer's 3 s stop grace, so a hung kernel costs the copy, never the exit."""
 
 
 @runtime_checkable
@@ -259,18 +262,39 @@ class Snapshotter:
                             sha256=manifest.sha256, size=manifest.size,
                             blocking_s=blocking_s, write_s=time.perf_counter() - start)
 
-    def keep_local(self, step: int, state: Mapping[str, Any]) -> Manifest | None:
+    def keep_local(self, step: int, state: Mapping[str, Any], *,
+                   timeout_s: float = KEEP_COPY_TIMEOUT_S) -> Manifest | None:
         """Keep the state of completed ``step`` in node memory for the next workers here.
 
         Synchronous and local (no collective): for a worker that is about to leave
-        without a durable snapshot. RNG states are left out (see
-        ``elastic_ext.snapshot.local``). None when there is nowhere to keep it, when
-        another worker of this node kept that step already, or when the write failed
-        (logged).
+        without a durable snapshot. The state is staged in host memory first
+        (``staging.stage_for_keep``: CUDA tensors on a side stream, within
+        ``timeout_s``), so the bytes are the same whichever device or local rank kept
+        it. RNG states are left out (see ``elastic_ext.snapshot.local``). None when
+        there is nowhere to keep it, when another worker of this node kept that step
+        already, or when the copy or the write failed (logged). On a GPU, keep only a
+        step the device finished (``held.HeldStep`` decides which).
         """
         if self.local is None:
             return None
-        return self.local.write(step, _state_tree(state))
+        staged = self.stage_kept(state, timeout_s=timeout_s)
+        return None if staged is None else self.write_kept(step, staged)
+
+    def stage_kept(self, state: Mapping[str, Any], *,
+                   timeout_s: float = KEEP_COPY_TIMEOUT_S) -> Any | None:
+        """The first half of ``keep_local``: ``state`` in host memory, None if the device
+        did not finish the copy in time (logged)."""
+        try:
+            return stage_for_keep(_state_tree(state), timeout_s)
+        except TimeoutError as exc:
+            logger.warning("not keeping the state: %s (a kernel hangs?)", exc)
+            return None
+
+    def write_kept(self, step: int, staged: Any) -> Manifest | None:
+        """The second half of ``keep_local``: write what ``stage_kept`` returned."""
+        if self.local is None or staged is None:
+            return None
+        return self.local.write(step, staged)
 
     def _remove_stale_tmp(self) -> None:
         assert self.directory is not None
@@ -397,6 +421,7 @@ def _state_tree(state: Mapping[str, Any]) -> dict[str, Any]:
 __all__ = [
     "DEFAULT_KEEP",
     "DEFAULT_WRITER_NICE",
+    "KEEP_COPY_TIMEOUT_S",
     "RNG_KEY",
     "WRITER_NICE_ENV",
     "Restored",

@@ -1,10 +1,11 @@
 """The payload file format: a small ``torch.save`` header, then the tensors' raw bytes.
 
-The header is the state with every dense CPU tensor replaced by a reference, plus a
-table of dtypes and shapes. Writing raw bytes (``os.write`` underneath) and hashing
-them with ``hashlib`` releases the GIL for all the heavy work, where ``torch.save``
-copies each tensor into a Python ``bytes`` object and checksums it with the GIL held,
-which stalls the training thread.
+The header is the state with every dense tensor replaced by a reference, plus a table
+of dtypes and shapes; only CPU tensors are accepted (``staging.py`` moves them there), so
+the bytes of a state never depend on the device or the strides that held it. Writing
+raw bytes (``os.write`` underneath) and hashing them with ``hashlib`` releases the GIL
+for all the heavy work, where ``torch.save`` copies each tensor into a Python ``bytes``
+object and checksums it with the GIL held, which stalls the training thread.
 
 Layout: magic, header length (8 bytes, little endian), header, then each tensor's
 bytes, each starting at a multiple of 64 bytes from the start of the file.
@@ -43,9 +44,14 @@ def _split_tensors(tree: Any, tensors: list[torch.Tensor]) -> Any:
     def leaf(node: Any, _path: TreePath) -> Any:
         if _holds_reserved_key(node):
             raise ValueError(f"{_TENSOR_REF!r} is a reserved key")
+        if isinstance(node, torch.Tensor) and node.device.type != "cpu":
+            raise ValueError(f"a {node.device} tensor reached the snapshot writer: stage the "
+                             "state in host memory first (staging.py); its bytes would name "
+                             "the device")
         if isinstance(node, torch.Tensor) and node.layout == torch.strided \
-                and not node.is_nested and node.device.type == "cpu" and node.is_contiguous():
-            tensors.append(node)
+                and not node.is_nested:
+            # a view or a transposed tensor writes the bytes of its contiguous copy
+            tensors.append(node if node.is_contiguous() else node.contiguous())
             return {_TENSOR_REF: len(tensors) - 1}
         return node  # sparse tensors and the like stay in the header, serialized by torch.save
 

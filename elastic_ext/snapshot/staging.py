@@ -1,14 +1,21 @@
-"""Host buffers a commit copies the state into, reused from one commit to the next.
+"""Staging state in host memory before it is written: the writer sees CPU tensors only.
 
-The copy is the only part of a commit the training loop waits for. Refilling a
-buffer costs a memcpy; allocating a fresh one costs page faults as well, several
-times more on a large model. CUDA tensors go to pinned buffers with non-blocking
-copies; the returned event says when they have landed.
+A commit copies the state into host buffers reused from one commit to the next (the
+copy is the only part of a commit the training loop waits for; refilling a buffer
+costs a memcpy, allocating a fresh one page faults as well). CUDA tensors go to
+pinned buffers with non-blocking copies; the returned event says when they landed.
+
+A keep (``stage_for_keep``) stages once, for a worker about to leave: CPU tensors as
+they are (made contiguous), CUDA tensors copied on a side stream that does not wait
+for the training stream, which may be stuck behind a hung collective, and within a
+time limit. Either way the bytes written depend on the values only, not on the device
+or the local rank that held them.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import torch
@@ -57,4 +64,44 @@ class HostStaging:
         return buf
 
 
-__all__ = ["HostStaging"]
+def stage_for_keep(tree: Any, timeout_s: float) -> Any:
+    """``tree`` with every tensor on the host and contiguous (see the module docstring).
+
+    Raises:
+        TimeoutError: the device did not finish the copies within ``timeout_s``.
+    """
+    streams: dict[torch.device, torch.cuda.Stream] = {}
+    events: list[torch.cuda.Event] = []
+
+    def leaf(obj: Any, _path: TreePath) -> Any:
+        if not isinstance(obj, torch.Tensor):
+            return obj
+        t = obj.detach()
+        if not t.is_cuda:
+            return t if t.is_contiguous() or t.layout != torch.strided else t.contiguous()
+        if t.layout != torch.strided or t.is_nested:
+            raise ValueError(f"cannot keep a {t.layout} CUDA tensor: convert it to a dense "
+                             "tensor in state_dict()")
+        stream = streams.get(t.device)
+        if stream is None:
+            stream = streams[t.device] = torch.cuda.Stream(device=t.device)
+        buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        with torch.cuda.stream(stream):
+            buf.copy_(t, non_blocking=True)
+        return buf
+
+    staged = map_tree(tree, leaf)
+    for stream in streams.values():
+        event = torch.cuda.Event()
+        event.record(stream)
+        events.append(event)
+    deadline = time.monotonic() + timeout_s
+    while not all(event.query() for event in events):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the device did not copy the state to host memory within "
+                               f"{timeout_s:.1f}s")
+        time.sleep(0.001)
+    return staged
+
+
+__all__ = ["HostStaging", "stage_for_keep"]

@@ -17,7 +17,7 @@ import tempfile
 import time
 
 from elastic_ext.torch_compat import WorkerCommand
-from elastic_ext.warm import OFF, SOCKET_ENV
+from elastic_ext.warm import OFF, SOCKET_ENV, safety
 from elastic_ext.warm.status import query_status
 from elastic_ext.warm.target import Target, UsageError, parse_command
 
@@ -67,7 +67,9 @@ class WarmStartServer:
         command += (["--module", target.name] if target.kind == "module"
                     else ["--path", os.path.abspath(target.name)])
         try:
-            self._proc = subprocess.Popen(command, stdin=subprocess.PIPE,
+            # the server asks NVML, not the driver, whether there is a GPU (safety.py)
+            env = {safety.NVML_CUDA_CHECK_ENV: "1", **os.environ}
+            self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, env=env,
                                           pass_fds=(listener.fileno(),))
         finally:
             listener.close()

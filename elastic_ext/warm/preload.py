@@ -8,7 +8,8 @@ imported: of ``-m pkg.mod`` only the packages ``python`` imports before it runs 
 module (``pkg``; and ``pkg`` itself for ``-m pkg``, whose ``__main__`` runs). Each
 import is tried on its own: one that fails here fails again, with its real traceback,
 in the worker. An import after which this process has more threads is remembered
-(:func:`thread_starters`), so that a refusal to fork can name it.
+(:func:`thread_starters`), and so is the one that loaded the CUDA driver
+(:func:`cuda_driver_importer`), so that a refusal to fork can name it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 
+from elastic_ext.warm.safety import cuda_driver_mapped
 from elastic_ext.warm.target import Target
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,23 @@ def thread_starters() -> list[str]:
     return list(_thread_starters)
 
 
+_cuda_driver_importer: str | None = None
+_cuda_driver_seen = False
+
+
+def cuda_driver_importer() -> str | None:
+    """The module whose import (by this preload) loaded the CUDA driver, if one did."""
+    return _cuda_driver_importer
+
+
+def _cuda_driver() -> bool:
+    """Whether the driver is loaded; ``/proc/self/maps`` is not read again once it was
+    (torch never unloads it)."""
+    global _cuda_driver_seen
+    _cuda_driver_seen = _cuda_driver_seen or cuda_driver_mapped()
+    return _cuda_driver_seen
+
+
 def _threads() -> int:
     try:
         return len(os.listdir("/proc/self/task"))
@@ -83,7 +102,9 @@ def _threads() -> int:
 
 
 def _try_import(name: str) -> bool:
+    global _cuda_driver_importer
     before = _threads()
+    driver_before = _cuda_driver()
     try:
         importlib.import_module(name)
         return True
@@ -94,6 +115,9 @@ def _try_import(name: str) -> bool:
     finally:
         if _threads() > before and name not in _thread_starters:
             _thread_starters.append(name)
+        if not driver_before and _cuda_driver():
+            _cuda_driver_importer = name
+            logger.debug("warm preload: importing %s loaded the CUDA driver", name)
 
 
 def _walk(start: Iterable[tuple[str, str | None]], home: str | None, *, skip: str,

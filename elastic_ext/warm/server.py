@@ -145,7 +145,8 @@ class Server:
 
     def check(self) -> safety.ForkSafety:
         """This process's fork hazards now."""
-        return safety.check(self.allowed_threads, preload.thread_starters())
+        return safety.check(self.allowed_threads, preload.thread_starters(),
+                            preload.cuda_driver_importer())
 
     def agent_alive(self) -> bool:
         """False once the agent is gone (its pidfd is readable): then nothing is worth doing."""
@@ -303,7 +304,22 @@ def _apply_rlimits(rlimits: dict[str, list[int]]) -> None:
             logger.warning("could not give the worker its %s=%s: %s", name, (soft, hard), exc)
 
 
+def use_nvml_cuda_check() -> None:
+    """Have ``torch.cuda.is_available()`` in the server ask NVML instead of the CUDA driver.
+
+    torch/cuda/__init__.py: ``is_available()`` calls ``device_count()``, which without
+    ``_nvml_based_avail()`` (``PYTORCH_NVML_BASED_CUDA_CHECK == "1"``, read at each call)
+    asks the CUDA runtime: that loads ``libcuda`` and runs ``cuInit`` but leaves
+    ``torch.cuda.is_initialized()`` False, and every forked worker's first CUDA call fails.
+    Training scripts call it at import time (``DEVICE = "cuda" if ... else "cpu"``). Set
+    before anything imports torch here (this module's imports do not); a value the agent
+    was given is kept. Workers do not inherit it: they get their launcher's environment.
+    Where NVML fails torch falls back to the runtime, which ``safety`` then reports."""
+    os.environ.setdefault(safety.NVML_CUDA_CHECK_ENV, "1")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    use_nvml_cuda_check()
     parser = argparse.ArgumentParser(prog="python -m elastic_ext.warm.server",
                                      description="etcd-ext's per-node fork server (started by "
                                                  "the agent; not for direct use)")

@@ -54,8 +54,9 @@ class MemoryBackend(StoreBackend):
     """One run's keys in a :class:`MemoryStore`; tokens are revisions, as on etcd."""
 
     def __init__(self, store: MemoryStore, run_prefix: str = "/elastic-ext/run1/", *,
-                 transient: bool = True) -> None:
+                 transient: bool = True, left: set[str] | None = None) -> None:
         self.store = store
+        self._left: set[str] = set() if left is None else left  # shared with clones
         self._prefix = run_prefix
         self._transient = transient
         self._beats = 0
@@ -139,7 +140,8 @@ class MemoryBackend(StoreBackend):
 
     def beat(self, node: str, presence_port: int | None = None) -> None:
         self._beats += 1
-        self._put_beat(node, heartbeat_value(self._beats, presence_port))
+        if node not in self._left:
+            self._put_beat(node, heartbeat_value(self._beats, presence_port))
 
     def _put_beat(self, node: str, value: bytes) -> None:
         with self.store.lock:
@@ -147,6 +149,7 @@ class MemoryBackend(StoreBackend):
             self.store.put(f"{self._prefix}hb/{node}", value)
 
     def leave(self, node: str) -> None:
+        self._left.add(node)
         self._put_beat(node, LEFT)
 
     def read_beats(self, nodes: Iterable[str]) -> dict[str, bytes | None]:
@@ -191,4 +194,5 @@ class MemoryBackend(StoreBackend):
                            if k.startswith(prefix)})
 
     def clone(self) -> MemoryBackend:
-        return MemoryBackend(self.store, self._prefix, transient=self._transient)
+        return MemoryBackend(self.store, self._prefix, transient=self._transient,
+                             left=self._left)
