@@ -9,7 +9,9 @@ markers standing in for CUDA events).
 from __future__ import annotations
 
 import io
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from elastic_ext.snapshot.payload import load_payload, write_payload
 from elastic_ext.snapshot.staging import stage_for_keep
 
 
-def payload_bytes(state: dict[str, object]) -> bytes:
+def payload_bytes(state: Mapping[str, object]) -> bytes:
     out = io.BytesIO()
     write_payload(out, state)
     return out.getvalue()
@@ -42,9 +44,9 @@ def test_two_local_ranks_keeping_the_same_values_write_the_same_bytes(tmp_path: 
     """One rank's optimizer state holds views of a flat buffer, the other's plain tensors:
     the kept payloads, and so their checksums, are equal, which the hand-off relies on."""
     flat = torch.linspace(0, 1, 30)
-    as_views = {"model": {"a": flat[:10].view(2, 5), "b": flat[10:].view(4, 5).t()},
+    as_views: dict[str, Any] = {"model": {"a": flat[:10].view(2, 5), "b": flat[10:].view(4, 5).t()},
                 "data": {"offset": 7}}
-    plain = {"model": {"a": flat[:10].view(2, 5).clone(),
+    plain: dict[str, Any] = {"model": {"a": flat[:10].view(2, 5).clone(),
                        "b": flat[10:].view(4, 5).t().contiguous()}, "data": {"offset": 7}}
     kept = []
     for name, state in (("rank0", as_views), ("rank1", plain)):

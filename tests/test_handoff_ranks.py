@@ -22,17 +22,18 @@ pytestmark = pytest.mark.timeout(120)
 SCRIPT = Path(__file__).parent / "support" / "handoff_ranks.py"
 
 
-def run_ranks(processes: ProcessSet, tmp: Path,
-              specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def run_ranks(processes: ProcessSet, tmp: Path, specs: list[dict[str, Any]],
+              label: str = "") -> list[dict[str, Any]]:
+    """One process per spec; ``label`` names a second run's logs apart from the first's."""
     port = free_port("127.0.0.1")
     procs = []
     for rank, spec in enumerate(specs):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "RANK": str(rank), "WORLD_SIZE": str(len(specs)), "LOCAL_RANK": "0",
                "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
-        procs.append(processes.spawn(f"rank{rank}", [sys.executable, str(SCRIPT), json.dumps(spec),
-                                                     str(tmp / f"mem{rank}"),
-                                                     str(tmp / f"disk{rank}")], env=env))
+        command = [sys.executable, str(SCRIPT), json.dumps(spec), str(tmp / f"mem{rank}"),
+                   str(tmp / f"disk{rank}")]
+        procs.append(processes.spawn(f"{label}rank{rank}", command, env=env))
     results = []
     for proc in procs:
         assert proc.wait(90) == 0, proc.output()[-4000:]
@@ -79,3 +80,34 @@ def test_when_every_rank_holds_the_step_nothing_is_sent(processes: ProcessSet,
                                                         tmp_path: Path) -> None:
     results = run_ranks(processes, tmp_path, [{"memory": [3, 3.0], "disk": None}] * 3)
     assert [(r["step"], r["source"], r["values"]) for r in results] == [(3, "local", [3.0])] * 3
+
+
+def test_only_the_rank_that_lacks_the_copy_receives_it_a_chunk_at_a_time(
+        processes: ProcessSet, tmp_path: Path) -> None:
+    chunk = 256
+    results = run_ranks(processes, tmp_path, [
+        {"memory": [7, 7.0], "disk": None, "chunk": chunk},
+        {"memory": None, "disk": [6, 6.0], "chunk": chunk},
+        {"memory": [7, 7.0], "disk": None, "chunk": chunk},
+    ])
+    assert [(r["step"], r["source"], r["values"]) for r in results] == [
+        (7, "local", [7.0]), (7, "peer", [7.0]), (7, "local", [7.0])]
+    size = results[1]["bytes"]
+    chunks = -(-size // chunk)
+    assert size > 4 * chunk and results[1]["moved"]["largest"] <= chunk
+    # rank 0 sends to rank 1 alone; rank 2 (holding it) moves nothing
+    assert [r["moved"]["calls"] for r in results] == [chunks, chunks, 0]
+
+
+def test_each_rank_gets_its_own_rng_back_and_another_world_size_distinct_streams(
+        processes: ProcessSet, tmp_path: Path) -> None:
+    empty = {"memory": None, "disk": None}
+    committed = run_ranks(processes, tmp_path, [{**empty, "rng": 3}] * 3, "commit-")
+    restored = run_ranks(processes, tmp_path, [{**empty, "rng": 0}] * 3, "restore-")
+    assert [r["draw"] for r in restored] == [r["draw"] for r in committed]
+    assert len({tuple(r["draw"]) for r in restored}) == 3  # not rank 0's stream everywhere
+    smaller = run_ranks(processes, tmp_path, [{**empty, "rng": 0}] * 2, "smaller-")
+    again = run_ranks(processes, tmp_path, [{**empty, "rng": 0}] * 2, "again-")
+    assert [r["draw"] for r in smaller] == [r["draw"] for r in again]  # reproducible
+    draws = {tuple(r["draw"]) for r in smaller}
+    assert len(draws) == 2 and not draws & {tuple(r["draw"]) for r in committed}

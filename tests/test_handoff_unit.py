@@ -50,6 +50,17 @@ def test_every_rank_holding_the_same_copy_loads_its_own() -> None:
     assert not plan_restore([mem(7), mem(7), mem(6)]).everyone_holds
 
 
+def test_only_ranks_whose_node_lacks_the_copy_receive_it() -> None:
+    assert plan_restore([mem(7), mem(7), Holding()]).receivers == (2,)
+    assert plan_restore([mem(7), mem(6), Holding()]).receivers == (1, 2)
+    # Disk copies are reported by a node's local rank 0; its other ranks read the file.
+    on_disk = Holding(disk=Copy(8, 100, SHA["c"]), node=11)
+    plan = plan_restore([on_disk, Holding(node=11), Holding(node=12), mem(7)])
+    assert (plan.step, plan.kind, plan.receivers) == (8, Kind.DISK, (2, 3))
+    other = Holding(disk=Copy(8, 100, SHA["d"]), node=12)  # the same step, other bytes
+    assert plan_restore([on_disk, Holding(node=11), other]).receivers == (2,)
+
+
 def test_holders_of_the_newest_step_that_disagree_are_not_used() -> None:
     plan = plan_restore([mem(7, "a"), mem(7, "b"), Holding(disk=Copy(5, 100, SHA["c"]))])
     assert (plan.step, plan.kind, plan.source) == (5, Kind.DISK, 2)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from elastic_ext.snapshot import (
+    LocalCopies,
     SnapshotError,
     SnapshotMismatchError,
     Snapshotter,
@@ -307,3 +308,27 @@ def test_payload_round_trips_every_kind_of_tensor(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="reserved"):
         with open(tmp_path / "q.snap", "wb") as f:
             write_payload(f, {"x": {"__elastic_ext_tensor__": 1}})
+
+
+def test_a_nodes_kept_copy_goes_once_a_newer_durable_or_restored_step_exists(
+        tmp_path: Path) -> None:
+    """Node memory holds one copy that someone could still choose, and no leftovers of a
+    worker killed while keeping."""
+    probe = subprocess.Popen(["true"])
+    probe.wait()
+    memory = tmp_path / "memory"
+    memory.mkdir()
+    half_kept = memory / tmp_name(payload_name(2), socket.gethostname(), probe.pid)
+    half_kept.write_bytes(b"partial")
+    model, _, _ = _objects()
+    snaps = Snapshotter(tmp_path / "disk", local=LocalCopies(memory))
+    assert not half_kept.exists()
+    snaps.keep_local(3, {"model": model})
+    snaps.commit(2, {"model": model}).result(timeout=30)  # older: the kept copy stays
+    assert snaps.local is not None and snaps.local.newest() is not None
+    snaps.commit(5, {"model": model}).result(timeout=30)
+    assert snaps.local.newest() is None and os.listdir(memory) == [".lock"]
+    snaps.keep_local(6, {"model": model})
+    snaps.keep_local(8, {"model": model})  # one kept step per node
+    assert sorted(os.listdir(memory)) == sorted([".lock", payload_name(8), manifest_name(8)])
+    snaps.close()

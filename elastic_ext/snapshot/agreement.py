@@ -44,6 +44,9 @@ class Holding:
     memory: Copy | None = None
     disk: Copy | None = None
     failed: bool = False
+    node: int = 0
+    """Where the rank's snapshot directory is (a hash of its host name and the directory's
+    path): ranks with the same one read the same disk copy instead of receiving it."""
 
     def copy(self, kind: Kind) -> Copy | None:
         return self.memory if kind is Kind.MEMORY else self.disk
@@ -58,9 +61,15 @@ class Plan:
     source: int = -1
     """The rank that sends its copy (the lowest holder)."""
     copy: Copy | None = None
-    everyone_holds: bool = False
-    """Every rank holds this very copy: each loads its own, nothing is sent."""
+    receivers: tuple[int, ...] = ()
+    """The ranks whose node does not hold this very copy: only they receive it; the others
+    read it where their node keeps it (node memory, or the node's snapshot directory)."""
     warnings: tuple[str, ...] = ()
+
+    @property
+    def everyone_holds(self) -> bool:
+        """Every rank reads the copy on its own node: nothing is sent."""
+        return self.step is not None and not self.receivers
 
 
 _PREFERENCE = {Kind.MEMORY: 1, Kind.DISK: 0}  # at the same step, memory is faster
@@ -109,9 +118,20 @@ def plan_restore(holdings: Sequence[Holding]) -> Plan:
             warnings.append(f"snapshots of step {step} differ between ranks ({listing}); "
                             f"using rank {holders[0][0]}'s")
         source, copy = holders[0]
-        everyone = kind is Kind.MEMORY and len(digests) == 1 and len(holders) == len(holdings)
-        return Plan(step=step, kind=kind, source=source, copy=copy, everyone_holds=everyone,
+        on_nodes = {holdings[rank].node for rank, held in holders if held.sha256 == copy.sha256}
+        receivers = tuple(rank for rank, holding in enumerate(holdings)
+                          if not _reads_it(holding, kind, copy, on_nodes))
+        return Plan(step=step, kind=kind, source=source, copy=copy, receivers=receivers,
                     warnings=tuple(warnings))
+
+
+def _reads_it(holding: Holding, kind: Kind, copy: Copy, on_nodes: set[int]) -> bool:
+    """Whether a rank can read ``copy`` without receiving it: it holds it, or (on disk,
+    which only a node's local rank 0 reports) its node does."""
+    own = holding.copy(kind)
+    if own is not None and own.sha256 == copy.sha256 and own.step == copy.step:
+        return True
+    return kind is Kind.DISK and holding.node in on_nodes
 
 
 __all__ = ["Copy", "Holding", "Kind", "Plan", "plan_restore"]

@@ -29,12 +29,12 @@ from elastic_ext.procinfo import pid_alive
 from elastic_ext.snapshot.agreement import Copy, Holding, Kind, Plan, plan_restore
 from elastic_ext.snapshot.durable import newest_valid, write_snapshot
 from elastic_ext.snapshot.errors import SnapshotError, SnapshotMismatchError, SnapshotWriteError
-from elastic_ext.snapshot.handoff import gather, local_rank, read_bytes, send
-from elastic_ext.snapshot.layout import FORMAT_VERSION, Manifest
+from elastic_ext.snapshot.handoff import gather, local_rank, node_id, send
+from elastic_ext.snapshot.layout import FORMAT_VERSION, Manifest, payload_name
 from elastic_ext.snapshot.local import LocalCopies
-from elastic_ext.snapshot.payload import load_payload, load_payload_buffer
+from elastic_ext.snapshot.payload import load_payload_buffer, map_payload
 from elastic_ext.snapshot.retention import stale_tmp_files
-from elastic_ext.snapshot.rng import capture_rng, restore_rng
+from elastic_ext.snapshot.rng import gather_rng, restore_rank_rng
 from elastic_ext.snapshot.staging import HostStaging, stage_for_keep
 
 logger = logging.getLogger("elastic_ext.snapshot")  # the whole package logs under one name
@@ -171,6 +171,7 @@ class Snapshotter:
         ranks other than 0, and without a directory, it is already done and holds None.
         """
         start = time.perf_counter()
+        rng = gather_rng() if self.capture_rng_states and self.directory is not None else None
         if not self.is_writer:
             done: concurrent.futures.Future[SnapshotInfo | None] = concurrent.futures.Future()
             done.set_result(None)
@@ -179,8 +180,8 @@ class Snapshotter:
         tree = _state_tree(state)
         if RNG_KEY in tree:
             raise ValueError(f"{RNG_KEY!r} is reserved for the RNG states")
-        if self.capture_rng_states:
-            tree[RNG_KEY] = capture_rng()
+        if rng is not None:
+            tree[RNG_KEY] = rng
         copied, event = self._staging.capture(tree)
         blocking = time.perf_counter() - start
         if self._executor is None:
@@ -215,6 +216,8 @@ class Snapshotter:
                                          f"{self.directory}; see its log")
         if error is not None:
             raise error
+        if self.local is not None and local_rank() == 0:  # every rank knows it is durable now
+            self.local.drop_older_than(step)
         if info is not None:
             info = SnapshotInfo(info.step, info.payload, info.manifest, info.sha256, info.size,
                                 blocking_s=time.perf_counter() - start, write_s=info.write_s)
@@ -257,6 +260,8 @@ class Snapshotter:
         except (OSError, RuntimeError) as exc:
             raise SnapshotWriteError(f"could not write the snapshot of step {step} to {directory}: "
                                      f"{exc}; older snapshots are kept") from exc
+        if self.local is not None:
+            self.local.drop_older_than(step)
         return SnapshotInfo(step=step, payload=directory / manifest.payload,
                             manifest=directory / f"{Path(manifest.payload).stem}.json",
                             sha256=manifest.sha256, size=manifest.size,
@@ -316,8 +321,8 @@ class Snapshotter:
         before one on disk, and the lowest rank holding it sends it to all, unless
         every rank holds that very copy. Modules are checked key by key and shape by
         shape before anything is loaded; a mismatch raises
-        :class:`SnapshotMismatchError`. RNG states travel only in disk snapshots (rank
-        0's when written), and are then restored everywhere.
+        :class:`SnapshotMismatchError`. RNG states travel only in disk snapshots, every
+        rank's: each rank gets its own (``rng.restore_rank_rng`` for another world size).
         """
         started = time.perf_counter()
         mine, paths = self._look()
@@ -355,38 +360,43 @@ class Snapshotter:
                 failed = True
             if disk is not None:
                 paths[Kind.DISK] = self.directory / disk.payload
-        return Holding(memory=Copy.of(memory), disk=Copy.of(disk), failed=failed), paths
+        return Holding(memory=Copy.of(memory), disk=Copy.of(disk), failed=failed,
+                       node=node_id(self.directory)), paths
 
     def _receive(self, plan: Plan, paths: dict[Kind, Path], objects: Mapping[str, Stateful],
                  restore_rng_states: bool, weights_only: bool, started: float) -> Restored:
+        """Ranks whose node holds the copy map it from there; the source sends it to the
+        others (``Plan.receivers``), which load it from the bytes received."""
         assert plan.kind is not None and plan.copy is not None and plan.step is not None
         where = "node memory" if plan.kind is Kind.MEMORY else "its snapshot directory"
         origin = f"rank {plan.source}'s copy of step {plan.step} in {where}"
         path: Path | None = None
-        if plan.everyone_holds or world_size() == 1:
-            path = paths[plan.kind]
+        buffer: torch.Tensor | None = None
+        if rank() not in plan.receivers:
+            path = paths.get(plan.kind)
+            if path is None:  # a disk copy another local rank of this node reported
+                assert self.directory is not None
+                path = self.directory / payload_name(plan.step)
             origin = str(path)
-            payload = load_payload(path, weights_only=weights_only)
-        else:
-            buffer = None
-            if rank() == plan.source:
-                path = paths[plan.kind]
-                origin = str(path)
-                buffer = read_bytes(path, plan.copy.size)
-            buffer = send(buffer, plan.copy, plan.source)
-            payload = load_payload_buffer(buffer, origin, weights_only=weights_only)
+            buffer = map_payload(path, plan.copy.size)
+        if plan.receivers:
+            buffer = send(buffer, plan.copy, plan.source, plan.receivers)
+        assert buffer is not None
+        payload = load_payload_buffer(buffer, origin, weights_only=weights_only)
         if plan.kind is Kind.DISK:
             source = Source.DISK
         else:
             source = Source.LOCAL if path is not None else Source.PEER
-        state = self._apply(payload, origin, objects, restore_rng_states)
+        state = self._apply(payload, origin, objects, restore_rng_states, plan.step)
         logger.info("restored step %d from %s", plan.step, origin)
+        if self.local is not None and local_rank() == 0:
+            self.local.drop_older_than(plan.step)
         return Restored(step=plan.step, path=path, state=state, created=plan.copy.created or None,
                         source=source, origin=origin, bytes=plan.copy.size,
                         seconds=time.perf_counter() - started)
 
     def _apply(self, payload: dict[str, Any], origin: str, objects: Mapping[str, Stateful],
-               restore_rng_states: bool) -> dict[str, Any]:
+               restore_rng_states: bool, step: int) -> dict[str, Any]:
         """Load ``payload``'s entries into ``objects``; the entries left over."""
         if payload.get("format") != FORMAT_VERSION:
             raise SnapshotError(f"{origin} is not a snapshot of format {FORMAT_VERSION}")
@@ -408,7 +418,7 @@ class Snapshotter:
                 raise SnapshotMismatchError(f"{origin} does not fit {name!r}: {exc}") from exc
         rng = state.pop(RNG_KEY, None)
         if restore_rng_states and rng is not None:
-            restore_rng(rng)
+            restore_rank_rng(rng, step)
         return state
 
 

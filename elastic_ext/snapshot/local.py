@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from elastic_ext import control
+from elastic_ext.procinfo import pid_alive
 from elastic_ext.snapshot.durable import newest_valid, write_snapshot
-from elastic_ext.snapshot.layout import Manifest, manifest_name
+from elastic_ext.snapshot.layout import Manifest, manifest_name, payload_name
+from elastic_ext.snapshot.retention import newest_first, stale_tmp_files
 
 logger = logging.getLogger("elastic_ext.snapshot")  # the whole package logs under one name
 
@@ -32,7 +36,16 @@ class LocalCopies:
     """A node's kept copies in ``directory``; the workers of one node share it."""
 
     def __init__(self, directory: Path) -> None:
+        """Sweeps the temporary files of this host's writers that died mid-write (a worker
+        killed while keeping): nobody else would, and they hold node memory."""
         self.directory = directory
+        try:
+            for name in stale_tmp_files(os.listdir(directory), socket.gethostname(), pid_alive):
+                logger.info("removing %s, left by a worker that died keeping its state",
+                            directory / name)
+                (directory / name).unlink(missing_ok=True)
+        except OSError:
+            pass  # no directory yet, or gone with its agent: nothing to sweep
 
     @classmethod
     def of_this_node(cls) -> LocalCopies | None:
@@ -64,6 +77,20 @@ class LocalCopies:
             logger.warning("could not keep the state of step %d in %s: %s", step,
                            self.directory, exc)
             return None
+
+    def drop_older_than(self, step: int) -> None:
+        """Remove the kept copies of steps before ``step`` (a newer durable snapshot or
+        restored state exists): node memory is not kept for a copy nobody would choose."""
+        try:
+            with self._locked():
+                for old in newest_first(os.listdir(self.directory)):
+                    if old < step:
+                        (self.directory / manifest_name(old)).unlink(missing_ok=True)
+                        (self.directory / payload_name(old)).unlink(missing_ok=True)
+                        logger.info("removed the kept state of step %d: step %d is newer", old,
+                                    step)
+        except OSError as exc:
+            logger.warning("could not remove old kept state in %s: %s", self.directory, exc)
 
     def newest(self) -> Manifest | None:
         """The newest copy whose checksum verifies; a corrupt or truncated one is skipped

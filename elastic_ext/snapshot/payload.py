@@ -120,30 +120,22 @@ def _finish(header: Mapping[str, Any], tensors: list[torch.Tensor]) -> dict[str,
     return result
 
 
+def map_payload(path: str | os.PathLike[str], size: int | None = None) -> torch.Tensor:
+    """The file at ``path`` as a uint8 tensor mapped copy-on-write: the ranks of a node that
+    load one file share its pages (one host copy per node, none in /dev/shm beyond the
+    file itself). ``size``: the bytes its manifest says (SnapshotError if it is shorter)."""
+    actual = os.path.getsize(path)
+    if size is not None and actual < size:
+        raise SnapshotError(f"{path} has fewer than the {size} bytes its manifest says")
+    if actual == 0:
+        raise SnapshotError(f"{path} is empty, not an elastic-ext snapshot payload")
+    return torch.from_file(os.fspath(path), shared=False, size=size or actual, dtype=torch.uint8)
+
+
 def load_payload(path: str | os.PathLike[str], *, weights_only: bool = True) -> dict[str, Any]:
-    """Read a payload written by :func:`write_payload` (no checksum check: see ``verify``)."""
-    origin = str(path)
-    with open(path, "rb", buffering=0) as f:
-        if f.read(len(PAYLOAD_MAGIC)) != PAYLOAD_MAGIC:
-            raise SnapshotError(f"{origin} is not an elastic-ext snapshot payload")
-        length = int.from_bytes(f.read(8), "little")
-        header = _parse_header(f.read(length), origin, weights_only)
-        offset = len(PAYLOAD_MAGIC) + 8 + length
-        tensors = []
-        for dtype, shape in _tensor_specs(header, origin):
-            f.seek(_padding(offset), os.SEEK_CUR)
-            offset += _padding(offset)
-            tensor = torch.empty(shape, dtype=dtype)
-            view = _byte_view(tensor)
-            done = 0
-            while done < len(view):
-                n = f.readinto(view[done:])
-                if not n:
-                    raise SnapshotError(f"{origin} ends inside a tensor")
-                done += n
-            offset += len(view)
-            tensors.append(tensor)
-    return _finish(header, tensors)
+    """Read a payload written by :func:`write_payload` (no checksum check: see ``verify``);
+    its tensors are views of the file mapped copy-on-write (``map_payload``)."""
+    return load_payload_buffer(map_payload(path), str(path), weights_only=weights_only)
 
 
 def load_payload_buffer(buffer: torch.Tensor, origin: str, *,
@@ -168,4 +160,5 @@ def load_payload_buffer(buffer: torch.Tensor, origin: str, *,
     return _finish(header, tensors)
 
 
-__all__ = ["PAYLOAD_MAGIC", "load_payload", "load_payload_buffer", "write_payload"]
+__all__ = ["PAYLOAD_MAGIC", "load_payload", "load_payload_buffer", "map_payload",
+           "write_payload"]
