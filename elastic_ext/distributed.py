@@ -53,14 +53,17 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def choose_device(device: DeviceChoice = "auto", local_rank: int = 0) -> torch.device:
-    """``cuda:LOCAL_RANK`` when asked or (``auto``) when a GPU is there, else the CPU.
+def choose_device(device: DeviceChoice = "auto", local_rank: int | None = None) -> torch.device:
+    """``cuda:LOCAL_RANK`` when asked or (``auto``) when a GPU is there, else the CPU;
+    ``local_rank`` defaults to torchrun's ``LOCAL_RANK``.
 
     Raises:
         ValueError: ``cuda`` asked for without a GPU, or fewer GPUs than local ranks.
     """
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     count = torch.cuda.device_count()
     if count == 0:
         raise ValueError("--device cuda needs a GPU and this machine has none: use "

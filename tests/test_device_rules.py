@@ -9,6 +9,7 @@ markers standing in for CUDA events).
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -179,3 +180,50 @@ def test_the_step_boundary_confirms_the_update_and_the_next_one_is_judged_alone(
     with held.updating(2, "data@2"):
         pass
     assert keep(held) == (1, "copy of 1 (data@1)")  # update 2 still queued
+
+
+def test_the_process_group_on_a_gpu_is_nccl_with_error_handling_set_before_it_exists(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun gives workers TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (TearDown: the process
+    dies); ours must be in the environment when the group is made, and the timeout ours."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from elastic_ext import distributed
+
+    seen: dict[str, object] = {}
+
+    def fake_init(backend: str, **kwargs: object) -> None:
+        seen.update(backend=backend, env=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"),
+                    **kwargs)
+
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: seen.update(device=device))
+    name = distributed.init_process_group(timeout_s=7, device=torch.device("cuda", 1))
+    assert name == "nccl" and seen["backend"] == "nccl" and seen["env"] == "2"
+    assert seen["timeout"] == datetime.timedelta(seconds=7)
+    assert seen["device"] == torch.device("cuda", 1)
+    seen.clear()
+    assert distributed.init_process_group(timeout_s=7, device=torch.device("cuda", 0),
+                                          backend="gloo") == "gloo"  # ranks sharing a GPU
+    assert seen["backend"] == "gloo"
+
+
+def test_device_choices_that_cannot_work_are_refused_naming_the_fix(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from elastic_ext import distributed
+
+    assert distributed.choose_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="nccl needs --device cuda"):
+        distributed.init_process_group(timeout_s=1, device=torch.device("cpu"), backend="nccl")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError, match="use --device cpu"):
+        distributed.choose_device("cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with pytest.raises(ValueError, match="--nproc-per-node"):
+        distributed.choose_device("cuda")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert distributed.choose_device("cuda") == torch.device("cuda", 1)
