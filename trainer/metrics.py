@@ -1,51 +1,5 @@
-"""The ``--metrics`` file: one JSON object per line, appended and flushed by global rank 0.
+"""The trainer's ``--metrics`` file is the own-loop object's: ``elastic_ext.loop.events``."""
 
-Every line has ``event``, ``step``, ``world_size``, ``restart`` (TORCHELASTIC_RESTART_COUNT)
-and ``time`` (unix seconds). Events: ``start`` (``resumed_from``), ``restore`` (``source``:
-peer, local, disk or none; ``bytes``, ``seconds``), ``step`` (``loss``), ``snapshot``
-(``blocking_s``, logged once the snapshot is durable), ``stopped`` (the agent restarted
-the round at a step boundary: ``reason``, ``kept``), ``fault`` (a worker left mid-step:
-``why``, ``kept``), ``preempted`` (``signal``), ``done`` (``params_sha256``).
-"""
+from elastic_ext.loop.events import MetricsLog
 
-from __future__ import annotations
-
-import json
-import threading
-import time
-from pathlib import Path
-from typing import Any, TextIO
-
-
-class MetricsLog:
-    """Appends events; a no-op on ranks other than 0 or without a file.
-
-    The snapshot writer thread logs ``snapshot`` events, hence the lock.
-    """
-
-    def __init__(self, path: Path | None, *, enabled: bool, world_size: int, restart: int) -> None:
-        self.world_size = world_size
-        self.restart = restart
-        self._lock = threading.Lock()
-        self._file: TextIO | None = None
-        if path is not None and enabled:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-
-    def emit(self, event: str, step: int, **fields: Any) -> None:
-        if self._file is None:
-            return
-        record = {"event": event, "step": step, "world_size": self.world_size,
-                  "restart": self.restart, "time": time.time(), **fields}
-        line = json.dumps(record) + "\n"
-        with self._lock:
-            if self._file is not None:
-                self._file.write(line)
-                self._file.flush()
-
-    def close(self) -> None:
-        with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
-
+__all__ = ["MetricsLog"]

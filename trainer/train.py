@@ -1,4 +1,5 @@
-"""The elastic DDP training loop, built on the snapshot hook and the preemption guard."""
+"""The bundled trainer's model, data, metrics and progress on ``elastic_ext.ElasticLoop``,
+which carries everything that makes it elastic (restore and hand-off, snapshots, stops)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,9 @@ import json
 import logging
 import math
 import os
-import signal
 import sys
 import time
-from concurrent.futures import Future
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -17,31 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic_ext import control
-from elastic_ext.distributed import (
-    BackendChoice,
-    DeviceChoice,
-    choose_device,
-    init_process_group,
-)
-from elastic_ext.preemption import GuardSettings, PreemptionGuard, exit_now
-from elastic_ext.snapshot import (
-    HeldStep,
-    Restored,
-    SnapshotError,
-    SnapshotInfo,
-    Snapshotter,
-    Source,
-)
-from elastic_ext.warm.worker import launched_at
-from trainer.data import DataPosition, next_batch, shard
-from trainer.metrics import MetricsLog
+from elastic_ext.distributed import BackendChoice, DeviceChoice
+from elastic_ext.loop import ElasticLoop, LoopSettings
 from trainer.model import MODEL_SIZES, SyntheticTask, build_model, params_sha256
-from trainer.progress import Progress, open_progress
+from trainer.progress import open_progress
 
 logger = logging.getLogger(__name__)
 
@@ -98,23 +80,6 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
     ramp = min(1.0, (step + 1) / max(1, warmup))
     progress = min(step, total) / max(1, total)
     return ramp * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
-
-
-def init_distributed(env: DistEnv, settings: TrainSettings) -> torch.device:
-    """NCCL with one GPU per LOCAL_RANK when CUDA is available (``--device``,
-    ``--backend`` choose otherwise), gloo on the CPU; collectives time out after
-    ``--collective-timeout`` (``elastic_ext.distributed.init_process_group``)."""
-    try:
-        device = choose_device(settings.device, env.local_rank)
-    except ValueError as exc:
-        raise SystemExit(f"trainer: {exc}") from None
-    if env.under_launcher:
-        init_process_group(timeout_s=settings.collective_timeout, device=device,
-                           backend=settings.backend)
-    else:  # a lone process: same code path, a one-rank group
-        init_process_group(timeout_s=settings.collective_timeout, device=device,
-                           backend=settings.backend, store=dist.HashStore())
-    return device
 
 
 class SampleRecorder:
@@ -177,235 +142,92 @@ def settle_buckets(ddp: DistributedDataParallel, empty_batch: torch.Tensor) -> N
         param.grad = None
 
 
-def _report_snapshot(metrics: MetricsLog, progress: Progress, step: int,
-                     future: Future[SnapshotInfo | None]) -> None:
-    """Runs in the writer thread when a background snapshot is durable (or failed)."""
-    try:
-        info = future.result()
-    except Exception as exc:
-        logger.error("snapshot of step %d failed, training goes on: %s", step, exc)
-        return
-    if info is not None:
-        progress.snapshot_durable()
-        metrics.emit("snapshot", step, blocking_s=info.blocking_s, write_s=info.write_s,
-                     bytes=info.size)
-
-
 class Trainer:
-    """One worker's run: restore, train, snapshot, and stop on a signal."""
+    """One worker's run: the trainer's model, data, metrics and progress on ``ElasticLoop``,
+    which carries the restore, the hand-off, the snapshots and the stops."""
 
-    def __init__(self, settings: TrainSettings, guard: PreemptionGuard,
-                 main_at: float | None = None) -> None:
-        self.settings = settings
-        self.guard = guard
+    def __init__(self, settings: TrainSettings, main_at: float | None = None) -> None:
+        self.settings = s = settings
         self.env = DistEnv.from_environ()
-        self._times = {"launched_at": launched_at(), "main_at": main_at or time.time()}
-        self.device = init_distributed(self.env, settings)
-        self._times["pg_ready_at"] = time.time()
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-        if settings.global_batch_size < self.world_size:
-            raise ValueError(f"--global-batch-size {settings.global_batch_size} is smaller than "
+        try:
+            self.loop = ElasticLoop(LoopSettings(
+                snapshot_dir=s.snapshot_dir, snapshot_every=s.snapshot_every, keep=s.keep,
+                total_steps=s.steps, device=s.device, backend=s.backend,
+                collective_timeout_s=s.collective_timeout, stop_grace_s=s.stop_grace,
+                preempt_grace_s=s.preempt_grace, hold_timeout_s=s.hold_timeout,
+                metrics=s.metrics), on_event=self._on_event, main_at=main_at)
+        except ValueError as exc:
+            raise SystemExit(f"trainer: {exc}") from None
+        self.device = self.loop.device
+        self.rank, self.world_size = self.loop.rank, self.loop.world_size
+        if s.global_batch_size < self.world_size:
+            raise ValueError(f"--global-batch-size {s.global_batch_size} is smaller than "
                              f"the world size {self.world_size}")
-        self.metrics = MetricsLog(settings.metrics, enabled=self.rank == 0,
-                                  world_size=self.world_size, restart=self.env.restart)
-        size = MODEL_SIZES[settings.model_size]
-        self.task = SyntheticTask.make(size, settings.seed, settings.dataset_size)
-        self.model = build_model(size, settings.seed).to(self.device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr,
-                                           weight_decay=0.01)
+        size = MODEL_SIZES[s.model_size]
+        self.task = SyntheticTask.make(size, s.seed, s.dataset_size)
+        self.model = build_model(size, s.seed).to(self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=s.lr, weight_decay=0.01)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, partial(lr_factor, total=settings.steps, warmup=settings.warmup_steps))
-        self.snapshots = Snapshotter(settings.snapshot_dir, keep=settings.keep)
-        self.recorder = (SampleRecorder(settings.record_samples, self.rank, self.world_size,
+            self.optimizer, partial(lr_factor, total=s.steps, warmup=s.warmup_steps))
+        self.recorder = (SampleRecorder(s.record_samples, self.rank, self.world_size,
                                         f"{self.env.run_id}/{self.env.restart}")
-                         if settings.record_samples is not None else None)
+                         if s.record_samples is not None else None)
         self.progress = open_progress(
-            rank=self.rank, every_s=settings.progress_every, total=settings.steps,
-            global_batch_size=settings.global_batch_size, world_size=self.world_size,
-            restarts=self.env.restart, snapshots_on=settings.snapshot_dir is not None,
+            rank=self.rank, every_s=s.progress_every, total=s.steps,
+            global_batch_size=s.global_batch_size, world_size=self.world_size,
+            restarts=self.env.restart, snapshots_on=s.snapshot_dir is not None,
             stream=sys.stdout)
-        self.step = 0
-        self.position = DataPosition()
-        self.last = HeldStep(self.step, self.position, device=self.device)
-        self._restored_age_s: float | None = None
-        self._restore_event: dict[str, Any] = {}
-        guard.keep_state = self._keep_last_step  # last: it reads what is set above
 
-    def _state(self, position: DataPosition | None = None) -> dict[str, Any]:
-        s = self.settings
-        at = self.position if position is None else position
-        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
-                "data": {**at.to_state(), "seed": s.seed, "dataset_size": s.dataset_size,
-                         "global_batch_size": s.global_batch_size}}
+    @property
+    def step(self) -> int:
+        return self.loop.step
 
-    def restore(self) -> int | None:
-        started = time.perf_counter()
-        restored = self.snapshots.restore(
-            {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler})
-        self._report_restore(restored, time.perf_counter() - started)
-        if restored is None:
-            return None
-        data = restored.state["data"]
-        s = self.settings
-        if (data["seed"], data["dataset_size"]) != (s.seed, s.dataset_size):
-            raise SnapshotError(f"{restored.origin} was taken with --seed {data['seed']} and "
-                                f"--dataset-size {data['dataset_size']}; this run has {s.seed} and "
-                                f"{s.dataset_size}, so its data order would not continue")
-        if data["global_batch_size"] != s.global_batch_size:
-            logger.warning("global batch size changed from %d to %d; "
-                           "the epoch continues at sample %d",
-                           data["global_batch_size"], s.global_batch_size, data["offset"])
-        self.step = restored.step
-        self.position = DataPosition.from_state(data)
-        self.last = HeldStep(self.step, self.position, device=self.device)
-        if restored.created is not None and restored.source == Source.DISK:
-            self._restored_age_s = max(0.0, time.time() - restored.created)
-        return restored.step
-
-    def _report_restore(self, restored: Restored | None, seconds: float) -> None:
-        """What the ``restore`` event (logged after ``start``) says: where the state came
-        from, its step, size and the time it took."""
-        if restored is None:
-            self._restore_event = {"step": 0, "source": Source.NONE, "bytes": 0,
-                                   "seconds": seconds}
-        else:
-            self._restore_event = {"step": restored.step, "source": restored.source,
-                                   "bytes": restored.bytes, "seconds": seconds}
-
-    def _keep_last_step(self, why: str) -> None:
-        """Keep the completed step the state holds in node memory (the guard calls this
-        before the worker leaves mid-step, from any thread); on a GPU only a step the
-        device finished (``HeldStep``)."""
-        result = self.last.keep(
-            lambda step, position: self.snapshots.stage_kept(self._state(position)),
-            self.snapshots.write_kept)
-        step = result[0] if result is not None else (self.last.step or self.step)
-        kept = result is not None and result[1] is not None
-        if kept:
-            logger.info("kept the state of step %d in node memory (%s)", step, why)
-        self.metrics.emit("fault", step, why=why, kept=step if kept else None)
+    def _on_event(self, event: str, step: int, fields: Mapping[str, Any]) -> None:
+        """The loop's events drive the progress display and close what the trainer wrote."""
+        if event == "snapshot":
+            self.progress.snapshot_durable()
+        elif event in ("stopped", "preempted", "done"):
+            self.progress.finish(event)
+            self.progress.close()
+            if self.recorder is not None:
+                self.recorder.close()
 
     def run(self) -> int:
         s = self.settings
-        resumed_from = self.restore()
-        self._times["restored_at"] = time.time()
-        self.metrics.emit("start", self.step, resumed_from=resumed_from, **self._times)
-        restore = self._restore_event
-        self.metrics.emit("restore", restore.pop("step"), **restore)
+        loop = self.loop
+        resumed_from = loop.restore(model=self.model, optimizer=self.optimizer,
+                                    scheduler=self.scheduler) or None
         logger.info("rank %d/%d pid %d starting at step %d (%s)", self.rank, self.world_size,
                     os.getpid(), self.step, "resumed" if resumed_from is not None else "fresh")
-        self.progress.start(self.step, resumed_from, self._restored_age_s)
-        ddp = DistributedDataParallel(
-            self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.progress.start(self.step, loop.resumed_from, loop.restored_age_s)
+        ddp = DistributedDataParallel(self.model, device_ids=loop.device_ids)
         try:
             settle_buckets(ddp, self.task.inputs[:0].to(self.device))
         except Exception as exc:
             self.progress.close()
-            exit_now(self.guard.failure_exit_code(exc))  # re-raises what is not a peer's fault
-        while self.step < s.steps:
-            ids, after = next_batch(self.position, s.seed, s.global_batch_size, s.dataset_size)
-            mine = shard(ids, self.rank, self.world_size)
+            loop.fail(exc)  # re-raises what is not a peer's fault
+        for mine in loop.batches(s.dataset_size, s.global_batch_size, seed=s.seed):
             try:
                 loss_sum = train_step(ddp, self.optimizer, self.scheduler, self.task, mine,
                                       s.global_batch_size, self.world_size, self.device,
-                                      updating=self.last.updating(self.step + 1, after))
+                                      updating=loop.update())
                 if self.recorder is not None:
-                    self.recorder.record(self.step + 1, after.epoch, mine, ids)
+                    assert loop.next_position is not None and loop.global_ids is not None
+                    self.recorder.record(self.step + 1, loop.next_position.epoch, mine,
+                                         loop.global_ids)
                 if s.step_delay > 0:
                     time.sleep(s.step_delay)
-                agreed = self.guard.agree(loss_sum.reshape(1))
-                self.last.confirm()  # the host read the agreement: the update is done
             except Exception as exc:
                 self.progress.close()
-                exit_now(self.guard.failure_exit_code(exc))  # re-raises what is not a peer's fault
-            self.step += 1
-            self.position = after
-            assert agreed.values is not None
-            loss = agreed.values[0].item() / s.global_batch_size
-            self.metrics.emit("step", self.step, loss=loss)
-            self.progress.step(self.step, loss)
-            if agreed.stop:
-                self._stopped_for_restart() if agreed.restart else self._preempted()
-            if (s.snapshot_dir is not None and s.snapshot_every > 0
-                    and self.step % s.snapshot_every == 0 and self.step < s.steps):
-                future = self.snapshots.commit(self.step, self._state())
-                future.add_done_callback(
-                    partial(_report_snapshot, self.metrics, self.progress, self.step))
-        self.guard.begin_commit()
-        if resumed_from != self.step:  # a restart of a finished run has nothing new to commit
-            self._commit_now()
-        self.guard.done()
+                loop.fail(exc)  # re-raises what is not a peer's fault
+            loss = loop.step_done(loss_sum.reshape(1), total=s.global_batch_size)
+            self.progress.step(self.step, loss or 0.0)
         digest = params_sha256(self.model)
-        self.metrics.emit("done", self.step, params_sha256=digest)
-        self.progress.finish("done")
+        loop.finish(params_sha256=digest)
         logger.info("done at step %d, params sha256 %s", self.step, digest)
-        self.close()
         return 0
-
-    def _commit_now(self) -> None:
-        if self.settings.snapshot_dir is None:
-            return
-        try:
-            info = self.snapshots.commit_now(self.step, self._state())
-        except SnapshotError as exc:
-            logger.error("%s", exc)
-            exit_now(1)
-        except Exception as exc:
-            exit_now(self.guard.failure_exit_code(exc))
-        if info is not None:
-            self.progress.snapshot_durable()
-            self.metrics.emit("snapshot", self.step, blocking_s=info.blocking_s,
-                              write_s=info.write_s, bytes=info.size)
-
-    def _stopped_for_restart(self) -> None:
-        """Every signalled rank's agent is restarting the round (a membership change): keep
-        this step in node memory, where the next round's hand-off takes it from."""
-        reason = control.leaving_reason() or "membership"
-        logger.info("stopping at step %d: the etcd-ext agent restarts the round (%s)", self.step,
-                    reason)
-        kept = self.snapshots.keep_local(self.step, self._state())
-        self.metrics.emit("stopped", self.step, reason=reason,
-                          kept=self.step if kept is not None else None)
-        self.progress.finish("stopped")
-        code = self.guard.preempted_exit_code()
-        self.close()
-        exit_now(code)
-
-    def _preempted(self) -> None:
-        received = self.guard.signalled
-        logger.warning("stopping at step %d: %s", self.step,
-                       f"got {signal.Signals(received).name}" if received
-                       else "a peer was signalled")
-        self.snapshots.keep_local(self.step, self._state())
-        self._commit_now()
-        self.progress.finish("preempted")
-        code = self.guard.preempted_exit_code()
-        # After the wait for this worker's own signal: under etcd-ext its agent may tell it
-        # of the job's stop a moment after a peer's agent did.
-        received = self.guard.signalled
-        self.metrics.emit("preempted", self.step,
-                          signal=signal.Signals(received).name if received else None)
-        self.close()
-        exit_now(code)
-
-    def close(self) -> None:
-        """Flush and close what this worker wrote. The process group is left alone: the
-        process exits at once (``exit_now``), and with torch 2.13 freeing a gloo group can
-        deadlock on the GIL (pytorch issues 75097 and 56297; PR 179291)."""
-        self.progress.close()
-        self.snapshots.close()
-        if self.recorder is not None:
-            self.recorder.close()
-        self.metrics.close()
 
 
 def run(settings: TrainSettings, main_at: float | None = None) -> int:
     """Train; ``main_at`` is when the command line's ``main`` began (for the ``start`` event)."""
-    guard = PreemptionGuard(GuardSettings(stop_grace_s=settings.stop_grace,
-                                          preempt_grace_s=settings.preempt_grace,
-                                          hold_timeout_s=settings.hold_timeout)).install()
-    trainer = Trainer(settings, guard, main_at)
-    code = trainer.run()
-    guard.uninstall()
-    return code
+    return Trainer(settings, main_at).run()
