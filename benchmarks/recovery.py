@@ -28,6 +28,9 @@ time is broken down from the agents' events (``events_file``) and the trainer's
   restore  -> its model and optimizer are built and its state restored (``restored_at``)
   step     -> the first step in the new world
 
+``--program examples/own_loop.py`` runs a script on ``ElasticLoop`` instead of the
+bundled trainer (it speaks the same flags and events).
+
 Usage: python benchmarks/recovery.py [--reps 5] [--stock-reps 2] [--timeout 180]
 Prints the totals (median, min, max, runs that never recovered, and how long training
 paused: the old world's last step to the new world's first) and the breakdown
@@ -81,6 +84,8 @@ class Outcome:
     victim_exit: tuple[int, float] | None = None
     """For a notice or a SIGTERM: the signalled node's agent's exit status, and seconds
     from the fault to its exit."""
+    twice: int = 0
+    """Step numbers logged more than once (trained again after the fault)."""
 
 
 def _times(nodes: list[Node], kind: EventKind, after: float) -> list[float]:
@@ -106,12 +111,13 @@ def breakdown(fault_at: float, survivors: list[Node], metrics: Path,
 
 
 def one_run(mode: str, scenario: str, workdir: Path, timeout: float,
-            step_delay: float) -> Outcome:
+            step_delay: float, program: str = "trainer") -> Outcome:
     metrics = workdir / "metrics.jsonl"
-    command = ["-m", "trainer", "--steps", "100000", "--global-batch-size", "24",
+    command = [*([program] if program.endswith(".py") else ["-m", program]),
+               "--steps", "100000", "--global-batch-size", "24",
                "--snapshot-dir", str(workdir / "snapshots"), "--snapshot-every", "20",
                "--metrics", str(metrics), "--step-delay", str(step_delay), "--seed", "1",
-               "--progress-every", "0"]
+               *(["--progress-every", "0"] if program == "trainer" else [])]
     spec = JobSpec(command=command, store="stock-c10d" if mode == "stock" else "etcd",
                    nnodes="2:3", run_id=f"bench-{scenario}", max_restarts=100,
                    rdzv_conf="warm_start=off" if mode == "cold" else "")
@@ -160,7 +166,10 @@ def one_run(mode: str, scenario: str, workdir: Path, timeout: float,
         paused = event["time"] - max(old_steps) if old_steps else None
         if watcher.is_alive():
             watcher.join(timeout=30)  # the signalled agent's exit, if it comes
-        return Outcome(event["time"] - fault_at, phases, paused, exited[0] if exited else None)
+        wait_for_step(metrics, after=event["time"] + 1.0, world_size=target, timeout=timeout)
+        steps = [e["step"] for e in read_json_lines(metrics) if e.get("event") == "step"]
+        return Outcome(event["time"] - fault_at, phases, paused, exited[0] if exited else None,
+                       twice=len(steps) - len(set(steps)))
 
 
 def _fmt(values: list[float]) -> tuple[str, str, str]:
@@ -180,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--step-delay", type=float, default=0.05)
+    parser.add_argument("--program", default="trainer",
+                        help="the training module, or a script such as examples/own_loop.py "
+                             "(default: the bundled trainer)")
     args = parser.parse_args(argv)
     modes, scenarios = args.modes.split(","), args.scenarios.split(",")
     results: dict[tuple[str, str], list[Outcome]] = {}
@@ -190,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                     if rep >= (args.stock_reps if mode == "stock" else args.reps):
                         continue
                     workdir = Path(tmp) / f"{mode}-{scenario}-{rep}"
-                    outcome = one_run(mode, scenario, workdir, args.timeout, args.step_delay)
+                    outcome = one_run(mode, scenario, workdir, args.timeout, args.step_delay,
+                                      args.program)
                     results.setdefault((mode, scenario), []).append(outcome)
                     shown = "never" if outcome.total is None else f"{outcome.total:.2f}s"
                     print(f"  rep {rep + 1}: {mode:<5} {scenario:<10} {shown}", file=sys.stderr,
@@ -198,9 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     label = {"stock": "stock c10d", "cold": "etcd-ext, cold start", "warm": "etcd-ext, warm start"}
     print(f"\nRecovery: seconds from the fault to the first step in the new world "
           f"(timeout {args.timeout:g}s)\n")
+    print(f"Training program: {args.program}\n")
     print("| scenario | mode | runs | median | min | max | never recovered | training paused "
-          "(median) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "(median) | steps trained twice (all runs) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for scenario in scenarios:
         for mode in modes:
             outcomes = results.get((mode, scenario), [])
@@ -208,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
             median, low, high = _fmt(ok)
             paused = [o.paused for o in outcomes if o.paused is not None]
             shown = f"{statistics.median(paused):.2f}" if paused else "-"
+            twice = sum(o.twice for o in outcomes if o.total is not None)
             print(f"| {scenario} | {label[mode]} | {len(outcomes)} | {median} | {low} | {high} | "
-                  f"{len(outcomes) - len(ok)} | {shown} |")
+                  f"{len(outcomes) - len(ok)} | {shown} | {twice if ok else '-'} |")
     exits = [(scenario, mode, o.victim_exit) for scenario in scenarios for mode in modes
              for o in results.get((mode, scenario), []) if o.victim_exit is not None]
     if exits:

@@ -1,6 +1,6 @@
 """A training run's metrics events, analysed: rounds, restores, steps redone, time not training.
 
-The events follow the bundled trainer's metrics contract (``trainer/metrics.py``): one
+The events follow the bundled trainer's metrics contract (``elastic_ext/loop/events.py``): one
 JSON object per line with ``event`` (``start``, ``restore``, ``step``, ``snapshot``,
 ``stopped``, ``preempted``, ``done``), ``step``, ``world_size``, ``restart`` and
 ``time``. Any loop that writes the same events can be analysed. Everything here is a
@@ -82,17 +82,17 @@ def parse_events(text: str,
         missing = [key for key in REQUIRED if key not in record]
         if missing:
             raise RunLogError(f"{name} line {number} lacks {', '.join(missing)}: every event "
-                              f"needs {', '.join(REQUIRED)} (see trainer/metrics.py)")
+                              f"needs {', '.join(REQUIRED)} (see elastic_ext/loop/events.py)")
         wrong = [key for key, kinds in _TYPES.items()
                  if key in record and not _is(record[key], kinds)]
         if wrong:
             raise RunLogError(f"{name} line {number}: "
                               + ", ".join(f"{key} must be {_TYPE_TEXT[key]}" for key in wrong)
-                              + " (see trainer/metrics.py)")
+                              + " (see elastic_ext/loop/events.py)")
         events.append(record)
     if not any(e["event"] == "start" for e in events):
         raise RunLogError(f"{name} has no 'start' event: a round must log 'start' before its "
-                          "steps (see trainer/metrics.py)")
+                          "steps (see elastic_ext/loop/events.py)")
     return events, unreadable
 
 

@@ -304,17 +304,22 @@ def test_the_readme_links_every_page_in_docs() -> None:
 
 
 # ------------------------------------------------------------------- the own-loop example
-def own_loop(path: Path) -> str:
+def python_blocks(path: Path) -> list[str]:
     blocks = [body for info, body in fenced_blocks(path.read_text()) if info == "python"]
     assert blocks, f"{path.name} has no python example"
-    return blocks[0]
+    return blocks
+
+
+HOOK_DOC = ROOT / "docs" / "snapshot-hook.md"
 
 
 def test_the_own_loop_example_is_the_same_in_the_readme_and_the_hook_docs() -> None:
-    readme, hook = own_loop(README_PATH), own_loop(ROOT / "docs" / "snapshot-hook.md")
-    assert readme in hook, "docs/snapshot-hook.md's example must be the README's, " \
-                           "with its imports"
-    assert "agreed.restart" in readme and "keep_state" in readme
+    readme, hook = python_blocks(README_PATH)[0], python_blocks(HOOK_DOC)
+    assert readme in hook[0], "docs/snapshot-hook.md's first example must be the README's, " \
+                              "with its imports"
+    assert "ElasticLoop(" in readme and "loop.step_done(" in readme
+    pieces = hook[1]  # the same loop on the pieces underneath
+    assert "agreed.restart" in pieces and "keep_state" in pieces and "HeldStep" in pieces
 
 
 LOOP_PIECES = '''
@@ -332,6 +337,7 @@ def forward_backward(ddp, batch):
     return loss
 
 total_steps = 4
+dataset = torch.arange(256.0).reshape(64, 4) / 256
 
 # an earlier run's snapshot of step 2, for the example to resume from
 _model, _optimizer, _scheduler = build()
@@ -346,18 +352,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_the_own_loop_example_resumes_trains_and_snapshots(tmp_path: Path) -> None:
-    """One plain process (world size 1, gloo) runs the docs' example as written: it
-    resumes from a snapshot of step 2, trains to step 4 and commits it."""
-    hook = own_loop(ROOT / "docs" / "snapshot-hook.md")
-    assert '"/local/run42/snapshots"' in hook
-    body = hook.replace('"/local/run42/snapshots"', "SNAPSHOTS")
-    imports, _, loop = body.partition("\nguard = ")
+def run_example(tmp_path: Path, body: str, first_line: str, report: str
+                ) -> subprocess.CompletedProcess[str]:
+    """The example as written, in one plain process (world size 1, gloo), resuming from a
+    snapshot of step 2 and training to step 4."""
+    assert '"/local/run42/snapshots"' in body
+    body = body.replace('"/local/run42/snapshots"', "SNAPSHOTS")
+    imports, _, loop = body.partition(f"\n{first_line}")
     script = tmp_path / "loop.py"
-    script.write_text(imports + f"\nSNAPSHOTS = {str(tmp_path / 'snapshots')!r}\n" + LOOP_PIECES
-                      + "\nguard = " + loop
-                      + 'print("resumed from", restored.step if restored else None, "ended at",'
-                        ' step, "data", position, flush=True)\nexit_now(0)\n')
+    script.write_text(imports + "\nfrom elastic_ext.snapshot import Snapshotter\n"
+                      + f"\nSNAPSHOTS = {str(tmp_path / 'snapshots')!r}\n" + LOOP_PIECES
+                      + f"\n{first_line}" + loop + report)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ELASTIC_EXT_", "TORCHELASTIC_"))}
     env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -365,6 +370,22 @@ def test_the_own_loop_example_resumes_trains_and_snapshots(tmp_path: Path) -> No
     done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "snapshots" / "snapshot-0000000004.json").is_file()
+    return done
+
+
+def test_the_own_loop_example_resumes_trains_and_snapshots(tmp_path: Path) -> None:
+    done = run_example(tmp_path, python_blocks(HOOK_DOC)[0], "loop = ",
+                       'print("ended at", loop.step, "data", loop.position, flush=True)\n')
+    # resumed at sample 4 of epoch 0: step 3 takes 4..35, step 4 starts epoch 1 (68 > 64)
+    assert "ended at 4 data DataPosition(epoch=1, offset=32)" in done.stdout, \
+        done.stdout + done.stderr[-3000:]
+
+
+def test_the_example_on_the_pieces_underneath_resumes_trains_and_snapshots(
+        tmp_path: Path) -> None:
+    done = run_example(tmp_path, python_blocks(HOOK_DOC)[1], "guard = ",
+                       'print("resumed from", restored.step if restored else None, "ended at",'
+                       ' step, "data", position, flush=True)\nexit_now(0)\n')
     assert "resumed from 2 ended at 4 data {'epoch': 0, 'offset': 8}" in done.stdout, \
         done.stdout + done.stderr[-3000:]
-    assert (tmp_path / "snapshots" / "snapshot-0000000004.json").is_file()

@@ -83,8 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str = "chaos") -> None:
     parser.add_argument("--keep", action="store_true",
                         help="keep the work directories after a pass too")
     parser.add_argument("--module", default="trainer",
-                        help="training module run by torchrun -m; it must accept the trainer's "
-                             "flags and write its metrics file (default: the bundled trainer)")
+                        help="training module run by torchrun -m, or a script (PATH.py, e.g. "
+                             "examples/own_loop.py); it must accept the trainer's flags and "
+                             "write its metrics file (default: the bundled trainer)")
     parser.add_argument("--trainer-arg", action="append", default=[], metavar="ARG",
                         help="one more argument for the training module (repeatable)")
     parser.add_argument("--no-reference", action="store_true",

@@ -52,7 +52,7 @@ class RunOptions:
     """How to run a scenario, beyond the scenario itself."""
 
     workdir: Path
-    # any module that speaks the trainer's CLI and metrics contract
+    # any module (or PATH.py script) that speaks the trainer's CLI and metrics contract
     module: str = "trainer"
     trainer_extra: tuple[str, ...] = ()
     reference: bool = True             # run (or reuse) the uninterrupted run for the params check

@@ -1,0 +1,42 @@
+"""A lone process (no launcher) training on ``ElasticLoop``: what a test asks of it.
+
+argv: a JSON object ``{"dir": DIR, "steps": N, "dataset": D, "raise_at": step | null}``.
+Prints one JSON line per step (``{"step": s, "ids": [...]}``) and the loop's events go
+to ``DIR/metrics.jsonl``; ``raise_at`` raises a plain error at that step (not a peer's
+fault), which must end the process with its traceback as usual.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from elastic_ext import ElasticLoop, LoopSettings
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    directory = Path(spec["dir"])
+    loop = ElasticLoop(LoopSettings(snapshot_dir=directory / "snapshots", snapshot_every=3,
+                                    metrics=directory / "metrics.jsonl"))
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loop.restore(model=model, optimizer=optimizer)
+    for ids in loop.batches(spec["dataset"], 4, seed=1, steps=spec["steps"]):
+        loss = model(torch.ones(len(ids), 3) * ids.unsqueeze(1)).pow(2).mean()
+        loss.backward()
+        with loop.update():
+            optimizer.step()
+            optimizer.zero_grad()
+        if loop.step + 1 == spec.get("raise_at"):
+            raise RuntimeError("a bug in the training code")
+        loop.step_done(loss)
+        print(json.dumps({"step": loop.step, "ids": ids.tolist()}), flush=True)
+    loop.finish(note="finished")
+
+
+if __name__ == "__main__":
+    main()

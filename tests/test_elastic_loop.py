@@ -1,0 +1,76 @@
+"""``ElasticLoop`` in one plain process (a one-rank gloo group, no launcher): the order of
+its calls, resume with exactly-once data, the events, and errors that are not a peer's.
+
+The multi-node behaviour (hand-off, stops, dead peers) is proven by the chaos runs of
+``examples/own_loop.py`` (``test_own_loop.py``) and by the bundled trainer's tests, which
+runs on the same object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from elastic_ext.loop.data import DataPosition, next_batch
+
+JOB = Path(__file__).parent / "support" / "elastic_loop_job.py"
+ROOT = Path(__file__).parent.parent
+
+
+def run_job(directory: Path, **spec: Any) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ELASTIC_EXT_", "TORCHELASTIC_", "MASTER_", "RANK"))}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run([sys.executable, str(JOB), json.dumps({"dir": str(directory), **spec})],
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def steps_of(done: subprocess.CompletedProcess[str]) -> dict[int, list[int]]:
+    lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    return {line["step"]: line["ids"] for line in lines}
+
+
+def events(directory: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (directory / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_run_stopped_and_resumed_trains_every_step_once_on_the_uninterrupted_data(
+        tmp_path: Path) -> None:
+    first = run_job(tmp_path, steps=7, dataset=10)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_job(tmp_path, steps=11, dataset=10)
+    assert second.returncode == 0, second.stderr[-3000:]
+    trained = {**steps_of(first), **steps_of(second)}
+    assert sorted(steps_of(first)) == list(range(1, 8))
+    assert sorted(steps_of(second)) == list(range(8, 12))  # from the final snapshot of 7
+    position = DataPosition()
+    for step in range(1, 12):  # the order an uninterrupted run takes, epochs included
+        ids, position = next_batch(position, 1, 4, 10)
+        assert trained[step] == ids.tolist(), step
+    log = events(tmp_path)
+    kinds = [(e["event"], e["step"]) for e in log if e["event"] != "step"]
+    assert kinds[:2] == [("start", 0), ("restore", 0)]
+    assert ("snapshot", 3) in kinds and ("snapshot", 6) in kinds and ("done", 7) in kinds
+    assert ("start", 7) in kinds and ("done", 11) in kinds
+    restore = next(e for e in log if e["event"] == "restore" and e["step"] == 7)
+    assert restore["source"] == "disk"
+    assert next(e for e in log if e["event"] == "done")["note"] == "finished"
+
+
+def test_another_dataset_is_refused_naming_both(tmp_path: Path) -> None:
+    assert run_job(tmp_path, steps=2, dataset=10).returncode == 0
+    done = run_job(tmp_path, steps=4, dataset=12)
+    assert done.returncode != 0
+    assert "dataset size 10; this run has 1 and 12" in done.stderr, done.stderr[-2000:]
+
+
+def test_an_error_that_is_not_a_peers_fault_ends_the_process_with_its_traceback(
+        tmp_path: Path) -> None:
+    done = run_job(tmp_path, steps=5, dataset=10, raise_at=3)
+    assert done.returncode == 1
+    assert "RuntimeError: a bug in the training code" in done.stderr
+    assert sorted(steps_of(done)) == [1, 2]

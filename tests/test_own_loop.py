@@ -1,0 +1,82 @@
+"""``examples/own_loop.py`` (a plain DDP loop on ``ElasticLoop``) under the chaos harness.
+
+The harness drives it as it drives the bundled trainer (real etcd, real torchrun agents,
+the trainer's flags and metrics events) and judges the run by the same invariants. Two
+runs cover the issue's cases: one with a join, a dead node and a whole-job preemption
+followed by a restart, and one where rank 0's machine dies under ``--max-restarts=0``.
+Each must finish, with 0 steps trained twice across every round change.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from elastic_ext.chaos.runner import RunOptions, RunResult, run_scenario
+from elastic_ext.chaos.scenario import parse
+from tests.support.chaos import explain
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "own_loop.py"
+
+JOIN_KILL_PREEMPT = """\
+nodes = 2
+etcd-members = 1
+steps = 400
+snapshot-every = 10
+step-delay = 0.05
+rdzv-conf = last_call_timeout=5
+timeout = 300
+at step 30: start node
+at step 120: kill node other
+at step 200: preempt all
+when stopped: start all
+"""
+
+RANK0_NO_BUDGET = """\
+nodes = 3
+etcd-members = 1
+max-restarts = 0
+steps = 150
+snapshot-every = 10
+step-delay = 0.05
+rdzv-conf = last_call_timeout=5
+timeout = 240
+at step 35: kill node rank0
+"""
+
+
+def worlds(result: RunResult) -> list[int]:
+    verdict = result.verdict
+    assert verdict is not None
+    seen: list[int] = []
+    for segment in verdict.segments:
+        if not seen or seen[-1] != segment.world_size:
+            seen.append(segment.world_size)
+    return seen
+
+
+def run(text: str, name: str, tmp_path: Path) -> RunResult:
+    result = run_scenario(parse(text, name),
+                          RunOptions(workdir=tmp_path, module=str(EXAMPLE), reference=False))
+    verdict = result.verdict
+    assert not result.skipped, result.skipped
+    assert verdict is not None and verdict.ok, explain(result)
+    assert verdict.final_step is not None and verdict.restarts, explain(result)
+    assert verdict.lost_steps == 0, explain(result)
+    return result
+
+
+@pytest.mark.timeout(560)
+def test_a_join_a_dead_node_and_a_preemption_cost_no_step(tmp_path: Path) -> None:
+    result = run(JOIN_KILL_PREEMPT, "own-loop-tour", tmp_path)
+    assert worlds(result) == [2, 3, 2], explain(result)
+
+
+@pytest.mark.timeout(480)
+def test_rank0s_machine_dying_costs_nothing_even_without_a_restart_budget(
+        tmp_path: Path) -> None:
+    result = run(RANK0_NO_BUDGET, "own-loop-rank0", tmp_path)
+    assert worlds(result) == [3, 2], explain(result)
