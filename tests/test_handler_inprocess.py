@@ -650,6 +650,13 @@ def test_a_new_jobs_agent_ignores_the_stop_of_the_old_job_it_reads(
     lab.keeper.tick()
     lab.advance(1.0)
     assert preemption_requested() is None
+    # Waiting to join the old job when it stops (a node started while it was stopping)
+    # does not make its stop this node's.
+    lab.put_state(dataclasses.replace(closed_round(("a", "b")), stop="the old job stops",
+                                      waiting={ME: NodeInfo("h", 1)}))
+    lab.keeper.tick()
+    lab.advance(1.0)
+    assert preemption_requested() is None
 
 
 def test_a_notice_the_store_cannot_take_stops_this_nodes_workers_with_a_snapshot(

@@ -68,9 +68,10 @@ class NoticeRelay:
         """Pass a whole-job stop on to the workers; record this node's notice in the state,
         then settle it ``NOTICE_SETTLE_S`` later (``drain.py``)."""
         if state is not None and state.stop:
-            # Only our own job's stop: a new job's agent may read the state of the old one
-            # (a requeue) before it starts a new generation.
-            if not self._stop_told and self._node in state.known_nodes():
+            # Only the stop of a job this node trains in (this round or the last): a new
+            # job's agent may read the old job's state, even wait to join it, before it
+            # starts a new generation, and its workers must not stop at their first step.
+            if not self._stop_told and self._node in {*state.members, *state.previous}:
                 self._stop_told = True
                 self._control.publish_preemption(state.stop)
                 self._events.emit(EventKind.JOB_STOPPING, state.stop, why=state.stop)
