@@ -68,17 +68,18 @@ import sys
 import tempfile
 import time
 import traceback
-import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.local.job import JobSpec, LocalJob, Node, wait_for_step
-from elastic_ext.local.processes import TAG_ENV, Proc, ProcessSet, wait_until
+from elastic_ext.local.processes import Proc, ProcessSet, wait_until
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # python -m benchmarks.NAME
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cpu_model, terminated_by_sigterm  # noqa: E402  (benchmarks/common.py, a sibling)
 
 HEADER = "| check | result | measured | seconds |"
 SKIP = "SKIP (no GPU)"
@@ -127,35 +128,11 @@ def _die_with_parent() -> None:
         _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-class DyingProcessSet(ProcessSet):
-    """``ProcessSet`` (a session, a tag and a log each; ``cleanup`` SIGKILLs every tagged
+def dying_process_set(log_dir: Path) -> ProcessSet:
+    """A ``ProcessSet`` (a session, a tag and a log each; ``cleanup`` SIGKILLs every tagged
     process, workers in sessions of their own included) whose children also die with
     this script."""
-
-    def spawn(self, name: str, cmd: Sequence[str], env: Mapping[str, str] | None = None,
-              cwd: str | Path | None = None) -> Proc:
-        tag = uuid.uuid4().hex
-        full_env = dict(os.environ if env is None else env)
-        full_env[TAG_ENV] = tag
-        full_env.setdefault("PYTHONUNBUFFERED", "1")
-        log = self.log_dir / f"{name}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "ab") as out:
-            popen = subprocess.Popen(list(cmd), env=full_env, cwd=cwd, stdout=out,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
-        proc = Proc(name, popen, tag, log)
-        self.procs.append(proc)
-        return proc
-
-    def cleanup(self) -> None:
-        """SIGKILL each process group, then every tagged process left (``ProcessSet``)."""
-        for proc in self.procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        super().cleanup()
+    return ProcessSet(log_dir, before_exec=_die_with_parent)
 
 
 @dataclass
@@ -166,11 +143,11 @@ class Context:
     workdir: Path
     deadline: float
     """``time.monotonic()`` by which the group must be over."""
-    processes: DyingProcessSet = field(init=False)
+    processes: ProcessSet = field(init=False)
     jobs: list[LocalJob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.processes = DyingProcessSet(self.workdir / "logs")
+        self.processes = dying_process_set(self.workdir / "logs")
 
     @property
     def cuda(self) -> bool:
@@ -186,7 +163,7 @@ class Context:
     def start_job(self, spec: JobSpec, name: str, nodes: int) -> LocalJob:
         """A local job (``elastic_ext.local.job``) whose processes die with this script."""
         job = LocalJob(spec, self.workdir / name)
-        job.processes = DyingProcessSet(self.workdir / name / "logs")
+        job.processes = dying_process_set(self.workdir / name / "logs")
         self.jobs.append(job)
         return job.start(nodes)
 
@@ -768,16 +745,6 @@ def run_group(group: Group, device: str, root: Path, logs: Path | None) -> dict[
     return rows
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def machine(cuda: bool) -> str:
     import torch
 
@@ -794,19 +761,6 @@ def cuda_available() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
-
-
-@contextmanager
-def terminated_by_sigterm() -> Iterator[None]:
-    """SIGTERM raises SystemExit, so that the checks' ``finally`` kills what they started."""
-    def stop(signum: int, frame: FrameType | None) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -29,7 +29,8 @@ time is broken down from the agents' events (``events_file``) and the trainer's
   step     -> the first step in the new world
 
 ``--program examples/own_loop.py`` runs a script on ``ElasticLoop`` instead of the
-bundled trainer (it speaks the same flags and events).
+bundled trainer (it speaks the same flags and events), through the warm-start launcher
+(``-m elastic_ext.warm``) as a user runs one.
 
 Usage: python benchmarks/recovery.py [--reps 5] [--stock-reps 2] [--timeout 180]
 Prints the totals (median, min, max, runs that never recovered, and how long training
@@ -113,7 +114,8 @@ def breakdown(fault_at: float, survivors: list[Node], metrics: Path,
 def one_run(mode: str, scenario: str, workdir: Path, timeout: float,
             step_delay: float, program: str = "trainer") -> Outcome:
     metrics = workdir / "metrics.jsonl"
-    command = [*([program] if program.endswith(".py") else ["-m", program]),
+    command = [*(["-m", "elastic_ext.warm", program] if program.endswith(".py")
+                 else ["-m", program]),
                "--steps", "100000", "--global-batch-size", "24",
                "--snapshot-dir", str(workdir / "snapshots"), "--snapshot-every", "20",
                "--metrics", str(metrics), "--step-delay", str(step_delay), "--seed", "1",

@@ -74,10 +74,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from elastic_ext.net import free_ports
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # python -m benchmarks.NAME
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import terminated_by_sigterm  # noqa: E402  (benchmarks/common.py, a sibling)
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler
@@ -693,19 +696,6 @@ def table(results: dict[tuple[int, str], list[CaseResult]], sizes: list[int],
                     requests, rate, cpu]
         lines.append("| " + " | ".join(row) + " |")
     return lines
-
-
-@contextmanager
-def terminated_by_sigterm() -> Iterator[None]:
-    """SIGTERM raises SystemExit, so that ``finally`` blocks kill what was started."""
-    def stop(signum: int, frame: FrameType | None) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @contextmanager

@@ -23,6 +23,7 @@ import os
 import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,15 +36,9 @@ from elastic_ext.snapshot.hook import DEFAULT_WRITER_NICE, WRITER_NICE_ENV
 from trainer.model import MODEL_SIZES, SyntheticTask, build_model
 from trainer.train import train_step
 
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+if str(Path(__file__).resolve().parent) not in sys.path:  # python -m benchmarks.NAME
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cpu_model  # noqa: E402  (benchmarks/common.py, a sibling)
 
 
 def state_after_one_step(size_name: str, batch: int) -> dict[str, object]:

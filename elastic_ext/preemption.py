@@ -105,6 +105,15 @@ class Agreement:
     membership change): the state kept in node memory is enough, nothing need be durable."""
 
 
+_installed: PreemptionGuard | None = None
+
+
+def installed_guard() -> PreemptionGuard | None:
+    """The guard installed in this process, if any: whoever catches an exception that left
+    the training loop (the warm-start launcher) lets it keep the step first."""
+    return _installed
+
+
 def exit_now(code: int) -> NoReturn:
     """Leave without interpreter teardown, which can block on a dead peer's process group."""
     logger.info("exiting with status %d", code)
@@ -172,6 +181,8 @@ class PreemptionGuard:
         self._thread = threading.Thread(target=self._watch, name="preemption-watchdog", daemon=True)
         self._thread.start()
         self._take_agent_notice()
+        global _installed
+        _installed = self
         return self
 
     def _take_agent_notice(self) -> None:
@@ -188,6 +199,9 @@ class PreemptionGuard:
         """Restore the previous handlers and stop the watchdog."""
         if self._thread is None:
             return
+        global _installed
+        if _installed is self:
+            _installed = None
         for signum, handler in self._previous_handlers.items():
             signal.signal(signum, handler)
         self._previous_handlers.clear()
@@ -431,5 +445,6 @@ __all__ = [
     "Phase",
     "PreemptionGuard",
     "exit_now",
+    "installed_guard",
     "is_peer_fault",
 ]

@@ -7,8 +7,11 @@ frozen or preempted node costs the step in flight, a node may join at any step, 
 state moves from the survivors' memory to the new ranks. Run it as the bundled trainer::
 
     torchrun --nnodes=1:3 --nproc-per-node=1 --rdzv-backend=etcd-ext \\
-        --rdzv-endpoint=c10d://127.0.0.1:29400 --rdzv-id=demo \\
+        --rdzv-endpoint=c10d://127.0.0.1:29400 --rdzv-id=demo -m elastic_ext.warm \\
         examples/own_loop.py --steps 500 --snapshot-dir /tmp/demo --metrics /tmp/demo.jsonl
+
+(``-m elastic_ext.warm`` starts the workers warm: forked from a process that has the
+imports done; the script runs without it too, only slower to restart).
 
 It trains on the CPU with gloo, or on ``cuda:LOCAL_RANK`` with NCCL when there is a GPU.
 """

@@ -540,3 +540,58 @@ def test_warm_start_is_on_by_default_and_takes_on_or_off() -> None:
 def test_a_bad_warm_setting_names_the_fix(conf: dict[str, str], says: str) -> None:
     with pytest.raises(ConfigError, match=says):
         settings(**conf)
+
+
+class _FakeGuard:
+    """A ``PreemptionGuard`` as the warm worker sees it: what it does with a fault."""
+
+    def __init__(self, code: int | None) -> None:
+        self.code = code
+        self.seen: list[BaseException] = []
+
+    def failure_exit_code(self, exc: BaseException) -> int:
+        self.seen.append(exc)
+        if self.code is None:
+            raise exc
+        return self.code
+
+
+def test_a_fault_that_leaves_the_script_goes_to_the_guard_it_installed_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop on ElasticLoop lets its exceptions leave the script: the guard it installed
+    (which keeps the step before holding) handles them, not the generic hold."""
+    from elastic_ext import preemption
+    from elastic_ext.warm import worker
+
+    fault = RuntimeError("Connection closed by peer")
+    guard = _FakeGuard(143)
+    monkeypatch.setattr(preemption, "_installed", guard)
+    monkeypatch.setattr(worker, "hold_after_peer_fault", lambda exc: pytest.fail("generic hold"))
+
+    def exit_now(code: int) -> None:  # the real one ends the process without a teardown
+        raise SystemExit(code)
+    monkeypatch.setattr(preemption, "exit_now", exit_now)
+    with pytest.raises(SystemExit) as left:
+        worker._uncaught(fault)
+    assert left.value.code == 143 and guard.seen == [fault]
+    printed: list[BaseException] = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, exc, tb: printed.append(exc))
+    monkeypatch.setattr(preemption, "_installed", _FakeGuard(None))  # not a peer's fault
+    assert worker._uncaught(fault) == 1 and printed == [fault]
+
+
+def test_the_preload_takes_what_a_from_import_asks_of_a_lazy_package(tmp_path: Path) -> None:
+    """``from elastic_ext import ElasticLoop`` loads ``elastic_ext.loop`` only when asked
+    (PEP 562), as transformers loads its models: the preload asks, before the fork."""
+    import subprocess
+
+    script = tmp_path / "uses_the_loop.py"
+    script.write_text("from elastic_ext import ElasticLoop\nfrom elastic_ext import rendezvous\n")
+    probe = ("import sys\nfrom elastic_ext.warm import preload\nfrom elastic_ext.warm.target "
+             "import Target\n"
+             f"loaded = preload.preload(Target('path', {str(script)!r}))\n"
+             "print('elastic_ext.loop' in sys.modules, 'elastic_ext.rendezvous' in sys.modules,"
+             " [n for n in loaded if ':' in n])\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, cwd=str(Path(__file__).parent.parent))
+    assert done.stdout.strip() == "True True []", done.stdout + done.stderr[-2000:]

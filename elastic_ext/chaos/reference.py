@@ -32,9 +32,10 @@ class ReferenceError(RuntimeError):
 def trainer_args(*, module: str, steps: int, global_batch_size: int, seed: int, snapshot_every: int,
                  model_size: str, step_delay: float, metrics: Path, snapshot_dir: Path,
                  extra: Sequence[str] = ()) -> list[str]:
-    """``-m MODULE`` (or the script, for a ``module`` ending in ``.py``) and the trainer
-    contract's flags (``python -m trainer --help``)."""
-    program = [module] if module.endswith(".py") else ["-m", module]
+    """``-m MODULE`` (a script, for a ``module`` ending in ``.py``, through the warm-start
+    launcher, as users run one) and the trainer contract's flags (``python -m trainer
+    --help``)."""
+    program = ["-m", "elastic_ext.warm", module] if module.endswith(".py") else ["-m", module]
     return [*program, "--steps", str(steps), "--global-batch-size", str(global_batch_size),
             "--seed", str(seed), "--snapshot-every", str(snapshot_every),
             "--model-size", model_size, "--step-delay", f"{step_delay:g}",

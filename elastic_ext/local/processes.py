@@ -99,6 +99,8 @@ class ProcessSet:
 
     log_dir: Path
     procs: list[Proc] = field(default_factory=list)
+    before_exec: Callable[[], object] | None = None
+    """Run in each child before it executes its program (``subprocess``'s ``preexec_fn``)."""
 
     def spawn(self, name: str, cmd: Sequence[str], env: Mapping[str, str] | None = None,
               cwd: str | Path | None = None) -> Proc:
@@ -111,7 +113,7 @@ class ProcessSet:
         with open(log, "ab") as out:
             popen = subprocess.Popen(list(cmd), env=full_env, cwd=cwd, stdout=out,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=self.before_exec)
         proc = Proc(name, popen, tag, log)
         self.procs.append(proc)
         return proc

@@ -45,7 +45,10 @@ def _source_of(module: str) -> str | None:
 
 
 def imports_in(path: str, package: str | None) -> list[str]:
-    """Absolute names of every module ``path`` imports (relative ones resolved in ``package``)."""
+    """Absolute names of every module ``path`` imports (relative ones resolved in
+    ``package``), and for ``from X import a`` also ``X:a``: what ``from`` takes from a
+    package may be loaded only when asked for (a lazy package such as transformers, or
+    ``elastic_ext.ElasticLoop``), or be a submodule."""
     try:
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), path)
@@ -66,6 +69,8 @@ def imports_in(path: str, package: str | None) -> list[str]:
                     continue
             if base:
                 names.append(base)
+                names.extend(f"{base}:{alias.name}" for alias in node.names
+                             if alias.name != "*")
     return list(dict.fromkeys(names))
 
 
@@ -101,12 +106,24 @@ def _threads() -> int:
         return 0
 
 
+def _import(name: str) -> None:
+    """``import name``, or for ``X:a`` what ``from X import a`` does: the attribute (which a
+    lazy package loads when asked), else the submodule ``X.a``."""
+    module, _, attribute = name.partition(":")
+    loaded = importlib.import_module(module)
+    if attribute:
+        try:
+            getattr(loaded, attribute)
+        except AttributeError:
+            importlib.import_module(f"{module}.{attribute}")
+
+
 def _try_import(name: str) -> bool:
     global _cuda_driver_importer
     before = _threads()
     driver_before = _cuda_driver()
     try:
-        importlib.import_module(name)
+        _import(name)
         return True
     except BaseException as exc:  # noqa: BLE001 - a SystemExit at import is the worker's business
         logger.debug("warm preload: import %s failed (%s); the worker will import it itself",
@@ -134,13 +151,13 @@ def _walk(start: Iterable[tuple[str, str | None]], home: str | None, *, skip: st
             continue
         seen_files.add(path)
         for name in imports_in(path, package):
-            if name in done or name in ("__main__", skip):
+            if name in done or name.partition(":")[0] in ("__main__", skip):
                 continue
             if not keep_going():
                 return done
             if _try_import(name):
                 done.append(name)
-            if home and name.split(".")[0] == home:
+            if home and ":" not in name and name.split(".")[0] == home:
                 source = _source_of(name)
                 if source is not None:
                     is_package = source.endswith("__init__.py")
@@ -195,4 +212,4 @@ def preload(target: Target, extra: Iterable[str] = (),
             break
         if name and name not in done and _try_import(name):
             done.append(name)
-    return done
+    return [name for name in done if ":" not in name]  # modules, not what they gave

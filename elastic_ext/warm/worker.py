@@ -101,10 +101,24 @@ def run_target(target: Target, args: list[str]) -> int:
 
 
 def _uncaught(exc: BaseException) -> int:
-    """Report an exception that left the target as the interpreter would: exit status 1."""
-    held = hold_after_peer_fault(exc)
-    if held is not None:
-        return held
+    """Report an exception that left the target as the interpreter would: exit status 1.
+
+    A peer's fault is held for the agent; by the script's ``PreemptionGuard`` (an
+    ``ElasticLoop``'s) when it installed one, which keeps the step first.
+    """
+    preemption = sys.modules.get("elastic_ext.preemption")  # imported by the script, or none
+    guard = preemption.installed_guard() if preemption is not None else None
+    if preemption is not None and guard is not None:
+        try:
+            code = guard.failure_exit_code(exc)
+        except BaseException:  # noqa: BLE001 - not a peer's fault: reported below
+            pass
+        else:  # at once, as the guard's own loops leave: no teardown of a broken group
+            preemption.exit_now(code)
+    else:
+        held = hold_after_peer_fault(exc)
+        if held is not None:
+            return held
     sys.excepthook(type(exc), exc, exc.__traceback__)
     return 1
 
