@@ -24,16 +24,18 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "own_loop.py"
 JOIN_KILL_PREEMPT = """\
 nodes = 2
 etcd-members = 1
-steps = 400
+steps = 500
 snapshot-every = 10
 step-delay = 0.05
 rdzv-conf = last_call_timeout=5
 timeout = 300
 at step 30: start node
-at step 120: kill node other
-at step 200: preempt all
+at step 300: kill node other
+at step 380: preempt all
 when stopped: start all
 """
+"""The newcomer asks to join once its warm-start server is ready (up to 10 s, 200 steps,
+on a busy 2-core machine): the kill comes well after that."""
 
 RANK0_NO_BUDGET = """\
 nodes = 3
