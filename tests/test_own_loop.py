@@ -15,6 +15,8 @@ import pytest
 
 from elastic_ext.chaos.runner import RunOptions, RunResult, run_scenario
 from elastic_ext.chaos.scenario import parse
+from elastic_ext.jsonlines import read_json_lines
+from elastic_ext.loop.data import position_after
 from tests.support.chaos import explain
 
 pytestmark = pytest.mark.slow
@@ -61,13 +63,21 @@ def worlds(result: RunResult) -> list[int]:
 
 
 def run(text: str, name: str, tmp_path: Path) -> RunResult:
-    result = run_scenario(parse(text, name),
+    scenario = parse(text, name)
+    result = run_scenario(scenario,
                           RunOptions(workdir=tmp_path, module=str(EXAMPLE), reference=False))
     verdict = result.verdict
     assert not result.skipped, result.skipped
     assert verdict is not None and verdict.ok, explain(result)
     assert verdict.final_step is not None and verdict.restarts, explain(result)
     assert verdict.lost_steps == 0, explain(result)
+    # Exactly-once data: after every step, in every round, the data stands where an
+    # uninterrupted run's stands after that step (each step took the right samples).
+    size, batch = 2048, scenario.settings.global_batch_size  # the example's dataset
+    steps = [e for e in read_json_lines(tmp_path / "metrics.jsonl") if e["event"] == "step"]
+    assert steps and all(
+        (e["epoch"], e["offset"]) == tuple(vars(position_after(e["step"], batch, size)).values())
+        for e in steps), explain(result)
     return result
 
 

@@ -248,7 +248,9 @@ class ElasticLoop:
         mean = None
         if agreed.values is not None:
             mean = float(agreed.values[0].item()) / (total or self.world_size)
-        self.emit("step", self.step, loss=mean)
+        where = {} if self.position is None else {"epoch": self.position.epoch,
+                                                  "offset": self.position.offset}
+        self.emit("step", self.step, loss=mean, **where)  # where the data stands after it
         if agreed.stop:
             if agreed.restart:
                 self._stopped_for_restart()

@@ -2,11 +2,13 @@
 object per line, appended and flushed by global rank 0.
 
 Every line has ``event``, ``step``, ``world_size``, ``restart`` (TORCHELASTIC_RESTART_COUNT)
-and ``time`` (unix seconds). Events: ``start`` (``resumed_from``), ``restore`` (``source``:
-peer, local, disk or none; ``bytes``, ``seconds``), ``step`` (``loss``), ``snapshot``
-(``blocking_s``, logged once the snapshot is durable), ``stopped`` (the agent restarted
-the round at a step boundary: ``reason``, ``kept``), ``fault`` (a worker left mid-step:
-``why``, ``kept``), ``preempted`` (``signal``), ``done`` (``params_sha256``).
+and ``time`` (unix seconds). Events: ``start`` (``resumed_from``, ``rank`` and when the
+worker was launched, its ``main`` ran, its group and its state were ready), ``restore``
+(``source``: peer, local, disk or none; ``bytes``, ``seconds``), ``step`` (``loss``;
+``epoch`` and ``offset``: where the data stands after it), ``snapshot`` (``blocking_s``,
+logged once the snapshot is durable), ``stopped`` (the agent restarted the round at a
+step boundary: ``reason``, ``kept``), ``fault`` (a worker left mid-step: ``why``,
+``kept``), ``preempted`` (``signal``), ``done`` (``params_sha256`` from the trainer).
 """
 
 from __future__ import annotations
