@@ -259,7 +259,10 @@ class ElasticLoop:
         if (s.snapshot_dir is not None and s.snapshot_every > 0
                 and self.step % s.snapshot_every == 0
                 and (s.total_steps is None or self.step < s.total_steps)):
-            future = self.snapshots.commit(self.step, self.state())
+            try:  # collective (every rank's RNG states go to rank 0): a peer may die in it
+                future = self.snapshots.commit(self.step, self.state())
+            except Exception as exc:
+                self.fail(exc)
             future.add_done_callback(partial(self._report_snapshot, self.step))
         return mean
 
