@@ -49,6 +49,13 @@ passed or not.
     python benchmarks/gpu_check.py [--cpu] [--checks resume,warm,...] [--logs DIR]
 
 Progress, and the logs' tails of failed checks, go to stderr; the table to stdout.
+
+On the project's lent GPU machine (no network; its image lacks ``tenacity``): download a
+``tenacity`` wheel into ``.whl`` here first, then run, with ``.whl`` carried, about 450 s::
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+    export PYTHONPATH=/tmp/site && python3 -m pip install -q --no-deps \
+    --no-build-isolation -e . && python3 benchmarks/gpu_check.py --logs /tmp/gc
 """
 
 from __future__ import annotations

@@ -55,23 +55,17 @@ class TrainSettings:
 
 @dataclass(frozen=True)
 class DistEnv:
-    """What torchrun tells a worker through its environment (or a lone process's defaults)."""
+    """What the trainer reads of torchrun's environment beyond what ``ElasticLoop`` does
+    (or a lone process's defaults): for the sample recorder and the progress line."""
 
-    rank: int
-    world_size: int
-    local_rank: int
     restart: int
     run_id: str
-    under_launcher: bool
 
     @classmethod
     def from_environ(cls) -> DistEnv:
         env = os.environ
-        return cls(rank=int(env.get("RANK", 0)), world_size=int(env.get("WORLD_SIZE", 1)),
-                   local_rank=int(env.get("LOCAL_RANK", 0)),
-                   restart=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
-                   run_id=env.get("TORCHELASTIC_RUN_ID", f"pid{os.getpid()}"),
-                   under_launcher="MASTER_ADDR" in env and "RANK" in env)
+        return cls(restart=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                   run_id=env.get("TORCHELASTIC_RUN_ID", f"pid{os.getpid()}"))
 
 
 def lr_factor(step: int, total: int, warmup: int) -> float:
