@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import select
 import signal
 import socket
@@ -42,7 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,7 +51,7 @@ from elastic_ext.distributed import collective_device
 from elastic_ext.hold import (
     EXIT_HOLD_TIMEOUT,
     HOLD_TIMEOUT_S,
-    flush_std_streams,
+    exit_now,
     hold_after_peer_fault,
     is_peer_fault,
 )
@@ -112,14 +111,6 @@ def installed_guard() -> PreemptionGuard | None:
     """The guard installed in this process, if any: whoever catches an exception that left
     the training loop (the warm-start launcher) lets it keep the step first."""
     return _installed
-
-
-def exit_now(code: int) -> NoReturn:
-    """Leave without interpreter teardown, which can block on a dead peer's process group."""
-    logger.info("exiting with status %d", code)
-    logging.shutdown()
-    flush_std_streams()
-    os._exit(code)
 
 
 class PreemptionGuard:

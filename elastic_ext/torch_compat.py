@@ -46,6 +46,21 @@ def on_agent_signal(callback: Callable[[int], str | None]) -> None:
     _after_signal = callback
 
 
+def _launch_agent_locals() -> dict[str, Any] | None:
+    """The locals of ``LAUNCH_AGENT`` on this thread's stack, when the handler is being
+    built inside it: ``config`` (torch's ``LaunchConfig``), ``entrypoint`` and ``args``
+    (the workers' command). torch's agent is started that way whatever started it
+    (``torchrun``, ``python -m torch.distributed.run``, ``accelerate launch``, a direct
+    ``elastic_launch``), while ``sys.argv`` is the launcher's own command line."""
+    module = LAUNCH_AGENT.rsplit(".", 1)[0]
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "launch_agent" and frame.f_globals.get("__name__") == module:
+            return dict(frame.f_locals)
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
 def _torchrun_args(argv: Sequence[str] | None) -> argparse.Namespace | None:
     """torchrun's own parse (``get_args_parser``, ``PET_*`` included) of its command line."""
     argv = list(sys.argv if argv is None else argv)
@@ -63,12 +78,17 @@ def _torchrun_args(argv: Sequence[str] | None) -> argparse.Namespace | None:
 
 
 def torchrun_max_restarts(argv: Sequence[str] | None = None) -> int | None:
-    """``--max-restarts`` of the torchrun command line this agent runs under, if any.
+    """``--max-restarts`` of the elastic agent this handler is built for, if any.
 
     The handler is not told the agent's restart budget, yet it keeps the job-wide
-    count; torchrun's own parser reads it back from ``sys.argv``. None when this
-    process is not torchrun.
+    count: it is read from ``LAUNCH_AGENT``'s ``config`` (any launcher), else from
+    torchrun's command line (``argv``, default ``sys.argv``) with torchrun's own parser.
+    None when neither is there.
     """
+    found = _launch_agent_locals() if argv is None else None
+    config = found.get("config") if found else None
+    if config is not None and hasattr(config, "max_restarts"):
+        return int(config.max_restarts)
     args = _torchrun_args(argv)
     return None if args is None else int(args.max_restarts)
 
@@ -82,9 +102,31 @@ class WorkerCommand:
     args: tuple[str, ...]
 
 
+def _python_worker(entrypoint: object, args: Sequence[object]) -> WorkerCommand | None:
+    """``LAUNCH_AGENT``'s ``entrypoint`` and ``args`` as torch's ``config_from_args`` builds
+    them for Python workers (``sys.executable``, then ``-u``, ``-m`` when a module, the
+    script and its arguments); None for any other program or a function."""
+    if not isinstance(entrypoint, str) or os.path.realpath(entrypoint) != \
+            os.path.realpath(sys.executable):
+        return None
+    rest = [str(a) for a in args]
+    if rest[:1] == ["-u"]:
+        rest = rest[1:]
+    module = rest[:1] == ["-m"]
+    if module:
+        rest = rest[1:]
+    if not rest:
+        return None
+    return WorkerCommand(module=module, script=rest[0], args=tuple(rest[1:]))
+
+
 def torchrun_worker_command(argv: Sequence[str] | None = None) -> WorkerCommand | None:
-    """The workers' command of the torchrun this agent runs under; None when this process
-    is not torchrun or its workers are not Python (``--no-python``)."""
+    """The workers' command of the elastic agent this handler is built for (read as
+    ``torchrun_max_restarts`` reads the budget); None when there is none or its workers
+    are not Python (``--no-python``)."""
+    found = _launch_agent_locals() if argv is None else None
+    if found is not None and "entrypoint" in found:
+        return _python_worker(found.get("entrypoint"), found.get("args") or ())
     args = _torchrun_args(argv)
     if args is None or args.no_python:
         return None
@@ -109,16 +151,9 @@ def workers_succeeded() -> bool:
     ``rdzv_handler.shutdown()`` in its ``finally``; the result is read from that frame.
     False when there is no such frame (not under torchrun) or the workers failed.
     """
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "launch_agent" and frame.f_globals.get("__name__") == \
-                LAUNCH_AGENT.rsplit(".", 1)[0]:
-            result = frame.f_locals.get("result")
-            is_failed = getattr(result, "is_failed", None)
-            return callable(is_failed) and not is_failed()
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
+    found = _launch_agent_locals()
+    is_failed = getattr(found.get("result") if found else None, "is_failed", None)
+    return callable(is_failed) and not is_failed()
 
 
 def check_in_at_exit_barrier(store: Any, world_size: int) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import re
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,49 @@ def test_torchruns_parser_still_reads_max_restarts(monkeypatch: pytest.MonkeyPat
     assert torch_compat.torchrun_max_restarts(["torchrun", "t.py"]) == 7
     assert torch_compat.torchrun_max_restarts(["python", "-m", "pytest"]) is None
     assert torch_compat.torchrun_max_restarts(["torchrun", "--no-such-flag"]) is None
+
+
+@pytest.mark.parametrize(("command", "workers"), [
+    (["-m", "elastic_ext.warm", "train.py", "--lr", "1"],
+     torch_compat.WorkerCommand(module=True, script="elastic_ext.warm",
+                                args=("train.py", "--lr", "1"))),
+    (["train.py", "--lr", "1"],
+     torch_compat.WorkerCommand(module=False, script="train.py", args=("--lr", "1"))),
+    (["--no-python", "bash", "run.sh"], None),
+])
+def test_the_budget_and_the_workers_are_read_from_torchs_agent_whatever_started_it(
+        monkeypatch: pytest.MonkeyPatch, command: list[str],
+        workers: torch_compat.WorkerCommand | None) -> None:
+    """``accelerate launch`` runs torch's ``run(args)`` in its own process, so ``sys.argv``
+    is accelerate's: the handler reads the agent's budget and workers from the
+    ``LAUNCH_AGENT`` frame it is built in (here the real one, in-process, with a probe
+    backend that records what it reads and stops the launch)."""
+    import uuid
+
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+    from torch.distributed.run import get_args_parser, run
+
+    class Probed(Exception):
+        pass
+
+    seen: dict[str, object] = {}
+
+    def probe(params: Any) -> Any:
+        seen["max_restarts"] = torch_compat.torchrun_max_restarts()
+        seen["workers"] = torch_compat.torchrun_worker_command()
+        raise Probed
+
+    backend = f"compat-probe-{uuid.uuid4().hex[:8]}"
+    rendezvous_handler_registry.register(backend, probe)
+    for name in ("TORCHELASTIC_SIGNALS_TO_HANDLE", "OMP_NUM_THREADS"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # run() sets them; restored after
+    monkeypatch.setattr(sys, "argv", ["/usr/local/bin/accelerate", "launch", "--multi_gpu"])
+    args = get_args_parser().parse_args([
+        f"--rdzv-backend={backend}", "--rdzv-endpoint=127.0.0.1:29400", "--nnodes=1:2",
+        "--max-restarts=4", *command])
+    with pytest.raises(Probed):
+        run(args)
+    assert seen == {"max_restarts": 4, "workers": workers}
 
 
 def test_the_machine_hostname_check_still_recognises_this_machine() -> None:

@@ -233,6 +233,21 @@ def test_a_warm_script_sees_the_sys_path_python_gives_it(
     assert warm["sys_path"] == cold["sys_path"]
 
 
+def test_several_preload_modules_reach_the_server_through_torchruns_rdzv_conf(
+        processes: ProcessSet, tmp_path: Path) -> None:
+    """``--rdzv-conf warm_preload=A:B`` passes torchrun's own parser (which splits at
+    commas) and the server imports both before it forks: the worker finds them loaded
+    (neither is imported by the script, the launcher or torch)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    wanted = ["xml.dom.minidom", "wsgiref.simple_server"]
+    proc = processes.spawn("torchrun", torchrun(
+        "warm_preloaded.py", str(out), *wanted, "unloaded.nothing", nproc=1,
+        agent_args=(f"--rdzv-conf=warm_preload={':'.join(wanted)}",)), env=env())
+    assert finish(proc, 60) == 0, proc.output()[-4000:]
+    assert assert_warm(out, "preloaded", ranks=1)[0]["loaded"] == wanted
+
+
 def test_the_launcher_hands_its_own_limits_umask_cwd_and_streams_to_the_worker(
         processes: ProcessSet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Below torchrun: the server here has this test's limits and umask, the launcher

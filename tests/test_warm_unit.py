@@ -531,10 +531,22 @@ def test_warm_start_is_on_by_default_and_takes_on_or_off() -> None:
     assert settings(warm_preload="numpy, mypkg.model").warm_preload == ("numpy", "mypkg.model")
 
 
+def test_several_preload_modules_pass_torchruns_own_rdzv_conf_parser() -> None:
+    """torchrun splits ``--rdzv-conf`` at every comma, so several modules are separated
+    by colons; what its own parser (``_parse_rendezvous_config``) hands the plugin names
+    them all."""
+    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+
+    conf = _parse_rendezvous_config("warm_preload=numpy:mypkg.model,warm_start=on")
+    assert settings(**conf).warm_preload == ("numpy", "mypkg.model")
+    with pytest.raises(ValueError, match="'mypkg.model' must have a value"):
+        _parse_rendezvous_config("warm_preload=numpy,mypkg.model")  # why commas cannot
+
+
 @pytest.mark.parametrize(("conf", "says"), [
     ({"warm_start": "maybe"}, r"warm_start='maybe' must be on or off"),
     ({"warm_preload": "1bad"}, r"warm_preload: '1bad' is not a module name; give dotted names "
-                               r"separated by commas, e\.g\. numpy,"),
+                               r"separated by colons, e\.g\. numpy:mypackage"),
     ({"warm_preload": "numpy,my-pkg"}, r"'my-pkg' is not a module name"),
 ])
 def test_a_bad_warm_setting_names_the_fix(conf: dict[str, str], says: str) -> None:
@@ -595,3 +607,26 @@ def test_the_preload_takes_what_a_from_import_asks_of_a_lazy_package(tmp_path: P
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=120, cwd=str(Path(__file__).parent.parent))
     assert done.stdout.strip() == "True True []", done.stdout + done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("source", [
+    "import elastic_ext\n\ndef main():\n    return elastic_ext.ElasticLoop\n",
+    "import elastic_ext as ee\nloop_class = ee.ElasticLoop\n",
+    "import elastic_ext.hold\nelastic_ext.loop.elastic_loop.ElasticLoop\n",
+])
+def test_the_preload_takes_what_a_script_reads_from_a_lazy_package_after_import(
+        tmp_path: Path, source: str) -> None:
+    """``import transformers`` then ``transformers.Trainer``: the lazy package loads
+    Trainer only when asked; the preload asks for every ``module.name`` the script reads
+    of a module it imported (``elastic_ext.ElasticLoop`` stands in here)."""
+    import subprocess
+
+    script = tmp_path / "reads_the_loop.py"
+    script.write_text(source)
+    probe = ("import sys\nfrom elastic_ext.warm import preload\nfrom elastic_ext.warm.target "
+             "import Target\n"
+             f"preload.preload(Target('path', {str(script)!r}))\n"
+             "print('elastic_ext.loop.elastic_loop' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, cwd=str(Path(__file__).parent.parent))
+    assert done.stdout.strip() == "True", done.stdout + done.stderr[-2000:]

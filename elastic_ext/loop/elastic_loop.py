@@ -32,10 +32,11 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -125,6 +126,7 @@ class ElasticLoop:
         self.global_ids: torch.Tensor | None = None
         """The whole step's sample ids, every rank's share (``batches`` only)."""
         self.held: HeldStep[DataPosition | None] = HeldStep(0, None, device=self.device)
+        self._open_update: ExitStack | None = None
         self.guard.keep_state = self._keep_on_fault
         self._closed = False
         self._previous_hook = sys.excepthook
@@ -171,6 +173,12 @@ class ElasticLoop:
                   source=restored.source if restored else Source.NONE,
                   bytes=restored.bytes if restored else 0, seconds=seconds)
         return self.step
+
+    def track(self, **named: Stateful) -> None:
+        """Add to what the loop saves objects that exist only after ``restore`` (a
+        framework creates its optimizer and scheduler when training starts); their
+        restored state is in ``restored.state``, for the framework to load itself."""
+        self._objects.update(named)
 
     @property
     def restored_age_s(self) -> float | None:
@@ -228,6 +236,20 @@ class ElasticLoop:
         on a GPU the step counts only once the device finished it (``HeldStep``)."""
         with self.held.updating(self.step + 1, self._next):
             yield
+
+    def begin_update(self) -> None:
+        """``update()`` for a framework that calls back before the update and after it
+        (the optimizer's step, the scheduler's, its step count); ``end_update`` closes it.
+        A peer's fault in between keeps nothing of the half-applied update."""
+        stack = ExitStack()
+        stack.enter_context(self.update())
+        self._open_update = stack
+
+    def end_update(self) -> None:
+        """The update ``begin_update`` opened is complete."""
+        stack, self._open_update = self._open_update, None
+        if stack is not None:
+            stack.close()
 
     def step_done(self, loss: torch.Tensor | None = None, *,
                   total: float | None = None) -> float | None:
@@ -318,6 +340,12 @@ class ElasticLoop:
 
     def _keep_on_fault(self, why: str) -> None:
         """The guard's ``keep_state``: keep the held step before leaving mid-step."""
+        stack = self._open_update
+        if stack is not None and threading.current_thread() is threading.main_thread():
+            # Left between begin_update and end_update: that update is not held, and its
+            # lock (this thread's) must be let go before the keep takes it.
+            self._open_update = None
+            stack.__exit__(RuntimeError, RuntimeError(why), None)
         result = self.held.keep(
             lambda step, position: self.snapshots.stage_kept(self.state(position)),
             self.snapshots.write_kept)

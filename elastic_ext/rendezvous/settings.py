@@ -58,7 +58,7 @@ CONF_KEYS: dict[str, tuple[str, str]] = {
     "warm_start": ("on", "`on` or `off`: a per-node fork server starts the workers of "
                          "`-m elastic_ext.warm ...` and of the bundled `-m trainer` in a "
                          "fraction of a second (see `docs/warm-start.md`)"),
-    "warm_preload": ("", "extra modules, comma-separated, the warm-start server imports "
+    "warm_preload": ("", "extra modules, separated by colons, the warm-start server imports "
                          "before it forks workers"),
     "timeout": ("900", "set by torchrun from `--rdzv-timeout`; used as `join_timeout` "
                        "when that key is not given"),
@@ -166,11 +166,13 @@ _MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 def _module_list(key: str, raw: str) -> tuple[str, ...]:
-    names = tuple(name.strip() for name in raw.split(",") if name.strip())
+    """Module names separated by colons (what torchrun's ``--rdzv-conf`` parser lets
+    through: it splits at every comma) or by commas (a configuration given in Python)."""
+    names = tuple(name.strip() for name in re.split(r"[:,]", raw) if name.strip())
     for name in names:
         if not _MODULE_RE.match(name):
             raise ConfigError(f"--rdzv-conf {key}: {name!r} is not a module name; give dotted "
-                              "names separated by commas, e.g. numpy,mypackage.model")
+                              "names separated by colons, e.g. numpy:mypackage.model")
     return names
 
 

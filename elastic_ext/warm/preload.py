@@ -46,18 +46,26 @@ def _source_of(module: str) -> str | None:
 
 def imports_in(path: str, package: str | None) -> list[str]:
     """Absolute names of every module ``path`` imports (relative ones resolved in
-    ``package``), and for ``from X import a`` also ``X:a``: what ``from`` takes from a
-    package may be loaded only when asked for (a lazy package such as transformers, or
-    ``elastic_ext.ElasticLoop``), or be a submodule."""
+    ``package``), and ``X:a`` for what it takes from a module: ``from X import a``, and
+    ``X.a`` where ``X`` was bound by ``import X`` (``X.a.b`` gives ``X:a`` and ``X.a:b``).
+    What is taken from a package may be loaded only when asked for (a lazy package such
+    as transformers, or ``elastic_ext.ElasticLoop``), or be a submodule."""
     try:
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), path)
     except (OSError, SyntaxError, ValueError):
         return []
     names: list[str] = []
+    bound: dict[str, str] = {}  # a name ``import`` binds -> the module it is
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.extend(alias.name for alias in node.names)
+            for alias in node.names:
+                names.append(alias.name)
+                if alias.asname:
+                    bound[alias.asname] = alias.name
+                else:
+                    top = alias.name.split(".")[0]
+                    bound[top] = top
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -71,7 +79,23 @@ def imports_in(path: str, package: str | None) -> list[str]:
                 names.append(base)
                 names.extend(f"{base}:{alias.name}" for alias in node.names
                              if alias.name != "*")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            names.extend(_taken_from_modules(node, bound))
     return list(dict.fromkeys(names))
+
+
+def _taken_from_modules(node: ast.Attribute, bound: dict[str, str]) -> list[str]:
+    """``X:a`` and ``X.a:b`` for ``alias.a.b`` where ``import`` bound ``alias`` to ``X``."""
+    parts: list[str] = []
+    value: ast.expr = node
+    while isinstance(value, ast.Attribute):
+        parts.insert(0, value.attr)
+        value = value.value
+    if not isinstance(value, ast.Name) or value.id not in bound:
+        return []
+    module = bound[value.id]
+    return [".".join([module, *parts[:i]]) + f":{parts[i]}" for i in range(len(parts))]
 
 
 _thread_starters: list[str] = []

@@ -16,7 +16,7 @@ import time
 import traceback
 from typing import NoReturn
 
-from elastic_ext.hold import flush_std_streams, hold_after_peer_fault
+from elastic_ext.hold import exit_now, flush_std_streams, hold_after_peer_fault
 from elastic_ext.warm.target import Target
 
 _warm = False
@@ -104,7 +104,9 @@ def _uncaught(exc: BaseException) -> int:
     """Report an exception that left the target as the interpreter would: exit status 1.
 
     A peer's fault is held for the agent; by the script's ``PreemptionGuard`` (an
-    ``ElasticLoop``'s) when it installed one, which keeps the step first.
+    ``ElasticLoop``'s) when it installed one, which keeps the step first. Either way the
+    held worker leaves at once when its agent's signal comes (``exit_now``): the
+    interpreter's teardown of the broken process group would take over a second.
     """
     preemption = sys.modules.get("elastic_ext.preemption")  # imported by the script, or none
     guard = preemption.installed_guard() if preemption is not None else None
@@ -118,7 +120,7 @@ def _uncaught(exc: BaseException) -> int:
     else:
         held = hold_after_peer_fault(exc)
         if held is not None:
-            return held
+            exit_now(held)
     sys.excepthook(type(exc), exc, exc.__traceback__)
     return 1
 

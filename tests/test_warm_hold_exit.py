@@ -1,0 +1,69 @@
+"""A foreign script's worker held after a peer's death is out as soon as its agent says so.
+
+pytorch/examples' multinode DDP script (``tests/support/plain_ddp.py``), two ranks on
+gloo, run through the launcher (``python -m elastic_ext.warm``) as torchrun would run
+them, with this test as rank 0's agent (its control directory). Rank 1 is SIGKILLed
+mid-epoch: rank 0's collective fails, the launcher reports the fault as its peer's and
+holds. The agent's decision is its SIGTERM; the worker must be gone within 0.1 s of it,
+not after the interpreter's teardown of the broken process group (1.1-1.5 s measured
+before the hold left through ``os._exit``). No torchrun, etcd or network namespace.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_ext.control import CONTROL_DIR_ENV, AgentControl
+from elastic_ext.local.processes import ProcessSet, wait_until
+from elastic_ext.net import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+PLAIN_DDP = Path(__file__).parent / "support" / "plain_ddp.py"
+OUT_WITHIN_S = 0.1
+
+
+def _rank_env(rank: int, port: int, control: Path | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != CONTROL_DIR_ENV}
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+               PYTHONPATH=str(Path(__file__).parents[1]))
+    if control is not None:
+        env[CONTROL_DIR_ENV] = str(control)
+    return env
+
+
+def test_a_held_foreign_worker_is_out_within_a_tenth_of_a_second_of_its_agents_signal(
+        processes: ProcessSet, tmp_path: Path) -> None:
+    agent = AgentControl(tmp_path / "ctl")
+    agent.publish_round(1)
+    port = free_port("127.0.0.1")
+    command = [sys.executable, "-u", "-m", "elastic_ext.warm", str(PLAIN_DDP), "1000", "500",
+               "--batch_size", "16"]
+    workers = []
+    for rank in (0, 1):
+        cwd = tmp_path / f"rank{rank}"
+        cwd.mkdir()
+        workers.append(processes.spawn(f"rank{rank}", command, cwd=cwd,
+                                       env=_rank_env(rank, port, agent.path if rank == 0
+                                                     else None)))
+    survivor, victim = workers
+    wait_until(lambda: "Epoch 2 |" in survivor.output(), 60, what="rank 0 in its third epoch")
+    os.killpg(victim.pid, signal.SIGKILL)
+    wait_until(lambda: agent.fault_reported(1), 30, what="rank 0's report of its peer's fault")
+    assert survivor.popen.poll() is None, survivor.output()[-3000:]
+    # The agent decides: SIGTERM, as torch's agent stops its workers.
+    signalled = time.monotonic()
+    os.kill(survivor.pid, signal.SIGTERM)
+    code = survivor.popen.wait(timeout=30)
+    took = time.monotonic() - signalled
+    out = survivor.output()
+    assert code == 128 + signal.SIGTERM, out[-3000:]
+    assert "reported to the etcd-ext agent as not this worker's fault" in out, out[-3000:]
+    assert took <= OUT_WITHIN_S, f"the held worker took {took:.3f}s to exit:\n{out[-3000:]}"
