@@ -4,7 +4,9 @@ The harness drives it as it drives the bundled trainer (real etcd, real torchrun
 the trainer's flags and metrics events) and judges the run by the same invariants. Two
 runs cover the issue's cases: one with a join, a dead node and a whole-job preemption
 followed by a restart, and one where rank 0's machine dies under ``--max-restarts=0``.
-Each must finish, with 0 steps trained twice across every round change.
+Each must finish, with 0 steps trained twice across every round change, and with
+``--max-restarts=0``: a join, a lost node (rank 0's too) and a whole-job restart spend
+no restart (what ``tests/test_restart_budget.py`` proved with its own jobs before).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "own_loop.py"
 JOIN_KILL_PREEMPT = """\
 nodes = 2
 etcd-members = 1
+max-restarts = 0
 steps = 500
 snapshot-every = 10
 step-delay = 0.05

@@ -278,25 +278,20 @@ def epochs(node: Node, since: int = 0) -> list[tuple[int, int]]:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("warm", [True, False], ids=["launcher", "no-launcher"])
 def test_a_plain_ddp_script_under_the_launcher_spends_no_restart_on_a_dead_peer(
-        tmp_path: Path, warm: bool) -> None:
+        tmp_path: Path) -> None:
     """pytorch/examples' multinode DDP script, on CPUs: a peer node dies mid-training.
 
     Under ``-m elastic_ext.warm`` the survivor's worker reports the collective's failure
     as its peer's, so with ``--max-restarts=0`` its agent restarts it for free and the job
-    goes on to its last epoch when a new node comes, from the script's own snapshot;
-    without the launcher the same death spends the survivor's only (zero) restart and
-    ends the job.
+    goes on to its last epoch when a new node comes, from the script's own snapshot.
+    (Without the launcher the same death spends the survivor's only restart, as stock
+    torchrun's does: ``tests/test_restart_budget.py`` shows a spent budget's stop.)
     """
     command = [str(PLAIN_DDP), str(PLAIN_EPOCHS), str(PLAIN_SAVE_EVERY), "--batch_size", "16"]
-    # Bare, the worker's own failure must come first: a keeper that finds the killed peer
-    # first (its port refuses after two still heartbeats, about 1 s) restarts the worker
-    # for free, as with the launcher. Slower heartbeats keep the keeper out of that race.
-    spec = JobSpec(command=["-m", "elastic_ext.warm", *command] if warm else command,
+    spec = JobSpec(command=["-m", "elastic_ext.warm", *command],
                    store="embedded", nnodes="2:3", nproc_per_node=1, max_restarts=0,
-                   run_id="plain-ddp",
-                   rdzv_conf="" if warm else "heartbeat_interval=2,heartbeat_timeout=10")
+                   run_id="plain-ddp")
     # The script keeps its snapshot in its working directory: the test's.
     here = Host(prefix=("env", "-C", str(tmp_path)))
     with LocalJob(spec, tmp_path, node_host=lambda index: here).start(2) as job:
@@ -309,11 +304,6 @@ def test_a_plain_ddp_script_under_the_launcher_spends_no_restart_on_a_dead_peer(
         seen = len(survivor.proc.output())
         victim.kill()
 
-        if not warm:
-            code = survivor.proc.wait(60)
-            out = survivor.proc.output()
-            assert code != 0 and "used up --max-restarts=0" in out[seen:], out[-4000:]
-            return
         wait_until(lambda: survivor.events(EventKind.RESTART), 30,
                    what="the survivor's agent to restart its worker")
         restart = survivor.events(EventKind.RESTART)[-1]

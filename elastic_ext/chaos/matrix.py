@@ -164,9 +164,13 @@ STEPS = {"etcd-outage": 400, "disk-full": 200, "freeze": 300, "partition": 300, 
          "drop-two": 400}
 DEFAULT_STEPS = 120
 
-CI = ("kill-worker", "kill-rank0", "join", "preempt", "notice", "etcd-leader")
-"""The fast subset CI runs: a worker crash, rank 0's machine dying, a join, a preemption
-of the whole job and of one node, and an etcd leader failure (the rest are in ``full``)."""
+CI = ("kill-worker", "notice", "etcd-leader")
+"""The subset CI runs with the bundled trainer: a worker crash (bit-exact against an
+uninterrupted run), a preemption notice to one node, and an etcd leader failure (the
+rest are in ``full``). Rank 0's machine dying, a join and a whole-job preemption with a
+restart run in CI on the same ``ElasticLoop`` as ``examples/own_loop.py`` and the
+Hugging Face example (``tests/test_own_loop.py``, ``tests/test_huggingface.py``), where
+they also check exactly-once data and no step trained twice."""
 
 GROUPS: dict[str, tuple[str, ...]] = {"ci": CI,
                                       "full": tuple(name for name in SCENARIOS if name != "tour")}
