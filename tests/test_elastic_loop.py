@@ -74,3 +74,21 @@ def test_an_error_that_is_not_a_peers_fault_ends_the_process_with_its_traceback(
     assert done.returncode == 1
     assert "RuntimeError: a bug in the training code" in done.stderr
     assert sorted(steps_of(done)) == [1, 2]
+
+
+def test_an_update_split_over_two_calls_counts_like_one_and_a_fault_inside_keeps_nothing(
+        tmp_path: Path) -> None:
+    """``begin_update``/``end_update`` (a framework's callbacks before and after the
+    update): the same steps as ``update()``, and a peer's fault between the two lets go of
+    the update's lock before the keep takes it (no deadlock) and keeps no half update."""
+    split = run_job(tmp_path / "split", steps=5, dataset=10, split_update=True)
+    plain = run_job(tmp_path / "plain", steps=5, dataset=10)
+    assert split.returncode == 0 and plain.returncode == 0, split.stderr[-3000:]
+    assert steps_of(split) == steps_of(plain)
+    faulted = run_job(tmp_path / "fault", steps=5, dataset=10, split_update=True,
+                      fault_in_update_at=3)
+    assert faulted.returncode == 0, faulted.stderr[-3000:]
+    assert '{"kept_at": null}' in faulted.stdout, faulted.stdout  # step 3 was half applied
+    assert "not keeping the state: an update was being applied" in faulted.stderr
+    fault = [e for e in events(tmp_path / "fault") if e["event"] == "fault"]
+    assert [(e["step"], e["kept"]) for e in fault] == [(2, None)], fault

@@ -13,10 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ext.chaos.runner import RunOptions, RunResult, run_scenario
-from elastic_ext.chaos.scenario import parse
 from elastic_ext.jsonlines import read_json_lines
-from tests.support.chaos import explain
+from tests.support.chaos import explain, run_program, worlds
 
 pytestmark = pytest.mark.slow
 
@@ -42,37 +40,10 @@ another node's death take the same path in ``ElasticLoop`` and run in
 ``tests/test_own_loop.py``."""
 
 
-def run(text: str, name: str, tmp_path: Path) -> RunResult:
-    result = run_scenario(parse(text, name),
-                          RunOptions(workdir=tmp_path, module=str(EXAMPLE), reference=False))
-    verdict = result.verdict
-    assert not result.skipped, result.skipped
-    assert verdict is not None and verdict.ok, explain(result)
-    assert verdict.final_step is not None and verdict.restarts, explain(result)
-    assert verdict.lost_steps == 0, explain(result)
-    events = read_json_lines(tmp_path / "metrics.jsonl")
-    steps = [e["step"] for e in events if e["event"] == "step"]
-    assert len(steps) == len(set(steps)), f"steps trained twice: {explain(result)}"
-    # Every new round started from a step the survivors kept, not from a checkpoint.
-    restores = [e for e in events if e["event"] == "restore" and e["step"] > 0]
-    assert restores, explain(result)
-    return result
-
-
-def worlds(result: RunResult) -> list[int]:
-    verdict = result.verdict
-    assert verdict is not None
-    seen: list[int] = []
-    for segment in verdict.segments:
-        if not seen or seen[-1] != segment.world_size:
-            seen.append(segment.world_size)
-    return seen
-
-
 @pytest.mark.timeout(560)
 def test_a_trainer_run_loses_no_step_to_rank0s_machine_dying_or_a_preemption(
         tmp_path: Path) -> None:
-    result = run(RANK0_THEN_PREEMPT, "hf-rank0-preempt", tmp_path)
+    result = run_program(RANK0_THEN_PREEMPT, "hf-rank0-preempt", EXAMPLE, tmp_path)
     assert worlds(result) == [3, 2, 3], explain(result)  # "start all": the three machines
     events = read_json_lines(tmp_path / "metrics.jsonl")
     preempted = [e for e in events if e["event"] == "preempted"]

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ext.chaos.runner import RunOptions, RunResult, run_scenario
+from elastic_ext.chaos.runner import RunResult
 from elastic_ext.chaos.scenario import parse
 from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.loop.data import position_after
-from tests.support.chaos import explain
+from tests.support.chaos import explain, run_program, worlds
 
 pytestmark = pytest.mark.slow
 
@@ -55,28 +55,11 @@ at step 35: kill node rank0
 """
 
 
-def worlds(result: RunResult) -> list[int]:
-    verdict = result.verdict
-    assert verdict is not None
-    seen: list[int] = []
-    for segment in verdict.segments:
-        if not seen or seen[-1] != segment.world_size:
-            seen.append(segment.world_size)
-    return seen
-
-
 def run(text: str, name: str, tmp_path: Path) -> RunResult:
-    scenario = parse(text, name)
-    result = run_scenario(scenario,
-                          RunOptions(workdir=tmp_path, module=str(EXAMPLE), reference=False))
-    verdict = result.verdict
-    assert not result.skipped, result.skipped
-    assert verdict is not None and verdict.ok, explain(result)
-    assert verdict.final_step is not None and verdict.restarts, explain(result)
-    assert verdict.lost_steps == 0, explain(result)
+    result = run_program(text, name, EXAMPLE, tmp_path)
     # Exactly-once data: after every step, in every round, the data stands where an
     # uninterrupted run's stands after that step (each step took the right samples).
-    size, batch = 2048, scenario.settings.global_batch_size  # the example's dataset
+    size, batch = 2048, parse(text, name).settings.global_batch_size  # the example's dataset
     steps = [e for e in read_json_lines(tmp_path / "metrics.jsonl") if e["event"] == "step"]
     assert steps and all(
         (e["epoch"], e["offset"]) == tuple(vars(position_after(e["step"], batch, size)).values())

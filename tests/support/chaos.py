@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from elastic_ext.chaos.runner import RunResult
+from pathlib import Path
+
+from elastic_ext.chaos.runner import RunOptions, RunResult, run_scenario
+from elastic_ext.chaos.scenario import parse
+from elastic_ext.jsonlines import read_json_lines
 
 
 def explain(result: RunResult, tail: int = 4000) -> str:
@@ -14,3 +18,31 @@ def explain(result: RunResult, tail: int = 4000) -> str:
         text = log.read_text(errors="replace") if log.exists() else ""
         lines.append(f"===== {name} ({log}) =====\n{text[-tail:]}")
     return "\n".join(lines)
+
+
+def run_program(text: str, name: str, program: Path, workdir: Path) -> RunResult:
+    """Scenario ``text`` played against ``program`` (a script on ``ElasticLoop`` that
+    speaks the trainer's flags and events), after checking what every such run must show:
+    no broken invariant, a restart, a last step, no step lost or trained twice."""
+    result = run_scenario(parse(text, name),
+                          RunOptions(workdir=workdir, module=str(program), reference=False))
+    verdict = result.verdict
+    assert not result.skipped, result.skipped
+    assert verdict is not None and verdict.ok, explain(result)
+    assert verdict.final_step is not None and verdict.restarts, explain(result)
+    assert verdict.lost_steps == 0, explain(result)
+    steps = [e["step"] for e in read_json_lines(workdir / "metrics.jsonl")
+             if e["event"] == "step"]
+    assert len(steps) == len(set(steps)), f"steps trained twice: {explain(result)}"
+    return result
+
+
+def worlds(result: RunResult) -> list[int]:
+    """The world sizes the run trained at, in order, each once per stretch."""
+    verdict = result.verdict
+    assert verdict is not None
+    seen: list[int] = []
+    for segment in verdict.segments:
+        if not seen or seen[-1] != segment.world_size:
+            seen.append(segment.world_size)
+    return seen

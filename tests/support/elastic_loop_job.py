@@ -1,9 +1,12 @@
 """A lone process (no launcher) training on ``ElasticLoop``: what a test asks of it.
 
-argv: a JSON object ``{"dir": DIR, "steps": N, "dataset": D, "raise_at": step | null}``.
-Prints one JSON line per step (``{"step": s, "ids": [...]}``) and the loop's events go
-to ``DIR/metrics.jsonl``; ``raise_at`` raises a plain error at that step (not a peer's
-fault), which must end the process with its traceback as usual.
+argv: a JSON object ``{"dir": DIR, "steps": N, "dataset": D, "raise_at": step | null,
+"split_update": bool, "fault_in_update_at": step | null}``. Prints one JSON line per step
+(``{"step": s, "ids": [...]}``) and the loop's events go to ``DIR/metrics.jsonl``;
+``raise_at`` raises a plain error at that step (not a peer's fault), which must end the
+process with its traceback as usual. ``split_update`` updates between ``begin_update``
+and ``end_update`` (as a framework's callbacks do); ``fault_in_update_at`` has the guard
+keep the state between the two at that step, as a peer's fault there would, then exits.
 """
 
 from __future__ import annotations
@@ -28,9 +31,21 @@ def main() -> None:
     for ids in loop.batches(spec["dataset"], 4, seed=1, steps=spec["steps"]):
         loss = model(torch.ones(len(ids), 3) * ids.unsqueeze(1)).pow(2).mean()
         loss.backward()
-        with loop.update():
+        if spec.get("split_update"):
+            loop.begin_update()
             optimizer.step()
             optimizer.zero_grad()
+            if loop.step + 1 == spec.get("fault_in_update_at"):
+                assert loop.guard.keep_state is not None
+                loop.guard.keep_state("a collective failed")  # must not wait for itself
+                print(json.dumps({"kept_at": loop.held.step}), flush=True)
+                loop.close()
+                return
+            loop.end_update()
+        else:
+            with loop.update():
+                optimizer.step()
+                optimizer.zero_grad()
         if loop.step + 1 == spec.get("raise_at"):
             raise RuntimeError("a bug in the training code")
         loop.step_done(loss)
