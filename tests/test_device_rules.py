@@ -145,6 +145,22 @@ def test_an_update_under_way_when_the_worker_leaves_keeps_nothing() -> None:
     assert keep(held) is None
 
 
+def test_an_update_that_raised_never_counts_and_guards_the_keep_like_a_queued_one() -> None:
+    """An update that raised (a peer's fault inside it, or a framework's callbacks left
+    between ``begin_update`` and ``end_update``) may have queued some kernels: it is
+    never held, however the device ends, and a keep after its first kernel ran keeps
+    nothing."""
+    device = FakeDevice()
+    held = device.held()
+    with pytest.raises(RuntimeError), held.updating(1, "data@1"):
+        raise RuntimeError("Connection closed by peer")
+    assert keep(held) == (0, "copy of 0 (data@0)")  # nothing of it ran yet
+    for marker in device.markers:
+        marker.done = True
+    held.confirm()
+    assert held.step == 0 and keep(held) is None
+
+
 def test_an_update_the_device_finished_with_a_healthy_communicator_is_held() -> None:
     device = FakeDevice()
     held = device.held()

@@ -53,6 +53,9 @@ class _Pending(Generic[T]):
     extra: T
     before: Marker
     after: Marker
+    aborted: bool = False
+    """The update raised after queuing some of its kernels: it never counts as done, and
+    its before-marker still tells a keep whether any of them may have run."""
 
 
 class HeldStep(Generic[T]):
@@ -88,7 +91,13 @@ class HeldStep(Generic[T]):
             self._promote()
             before = self._new_marker()
             before.record()
-            yield
+            try:
+                yield
+            except BaseException:
+                after = self._new_marker()
+                after.record()
+                self._pending = _Pending(step, extra, before, after, aborted=True)
+                raise
             after = self._new_marker()
             after.record()
             self._pending = _Pending(step, extra, before, after)
@@ -99,7 +108,7 @@ class HeldStep(Generic[T]):
         communicator unless it reports an error."""
         with self.lock:
             pending = self._pending
-            if pending is not None and self._communicator_error() is None:
+            if pending is not None and not pending.aborted and self._communicator_error() is None:
                 self._held, self._pending = (pending.step, pending.extra), None
 
     @property
@@ -110,7 +119,8 @@ class HeldStep(Generic[T]):
 
     def _promote(self) -> None:
         pending = self._pending
-        if pending is not None and pending.after.query() and self._communicator_error() is None:
+        if (pending is not None and not pending.aborted and pending.after.query()
+                and self._communicator_error() is None):
             self._held, self._pending = (pending.step, pending.extra), None
 
     def keep(self, stage: Callable[[int, T], S], write: Callable[[int, S], R]
