@@ -34,6 +34,9 @@ def _events(result: RunResult, node: str) -> list[dict[str, object]]:
 
 
 def _play(text: str, tmp_path: Path, *trainer_args: str) -> RunResult:
+    """Scenarios with nodes started together set ``last_call_timeout=5`` so that they form
+    one round even when the machine is busy (the default 1 s may close it without a late
+    starter), as ``elastic_ext.chaos.matrix``'s do."""
     result = run_scenario(parse(text, "stuck"),
                           RunOptions(workdir=tmp_path, reference=False,
                                      trainer_extra=tuple(trainer_args)))
@@ -51,6 +54,7 @@ nodes = 3
 steps = 120
 snapshot-every = 10
 step-delay = 0.05
+rdzv-conf = last_call_timeout=5
 at step 35: freeze node other for 15s
 """, tmp_path)
     assert result.observation is not None
@@ -78,6 +82,7 @@ nodes = 3
 steps = 250
 snapshot-every = 10
 step-delay = 0.05
+rdzv-conf = last_call_timeout=5
 at step 30: cut peers of node other for 40s
 """, tmp_path, "--collective-timeout", "15")
     assert result.observation is not None and result.verdict is not None
