@@ -156,6 +156,7 @@ def test_two_run_ids_do_not_see_each_other(make_backend):
 
 
 def test_heartbeats_advance_and_leaving_is_visible(backend):
+    set_state(backend, RunState("gen", 1, Phase.OPEN, {"n1": NodeInfo("h", 1)}).to_bytes())
     backend.beat("n1")
     first = backend.read_beats(["n1", "n2"])
     backend.beat("n1")
@@ -170,6 +171,7 @@ def test_a_heartbeat_after_leaving_does_not_overwrite_left(make_backend) -> None
     the node must still read LEFT, or the last node out keeps the run's keys. A new agent
     of the same name (a requeued job) beats again."""
     agent = make_backend()
+    set_state(agent, RunState("gen", 1, Phase.OPEN, {"n1": NodeInfo("h", 1)}).to_bytes())
     keeper = agent.clone()
     keeper.beat("n1")
     agent.leave("n1")
@@ -215,6 +217,25 @@ def test_remove_run_deletes_the_state_and_the_heartbeats(make_backend) -> None:
     mine.remove_run()
     assert mine.get_state() is None and mine.read_beats(["n1"]) == {"n1": None}
     assert state_of(other) == b"other-state"
+
+
+def test_a_leave_after_the_last_node_out_removed_the_run_brings_back_no_key(
+        make_backend) -> None:
+    """A leaving agent's heartbeat key is gone while it leaves (etcd: its lease was
+    revoked), so the last other node out may remove the run before this one writes LEFT:
+    that write must not bring back a key of a removed run."""
+    leaving, last = make_backend("run"), make_backend("run")
+    set_state(last, RunState("gen", 1, Phase.OPEN, {"n1": NodeInfo("h", 1),
+                                                   "n2": NodeInfo("h", 2)}).to_bytes())
+    leaving.beat("n1")
+    last.beat("n2")
+    last.leave("n2")
+    last.remove_run()
+    leaving.leave("n1")
+    assert leaving.get_state() is None
+    assert leaving.read_beats(["n1", "n2"]) == {"n1": None, "n2": None}
+    if isinstance(leaving, EtcdBackend):  # the only store that can list its keys
+        assert "run" not in leaving.list_runs()
 
 
 def test_dropped_round_stores_are_gone_where_the_store_can_enumerate_keys(

@@ -270,8 +270,14 @@ class C10dBackend(StoreBackend):
         self._run("delete_key", delete)
 
     def leave(self, node: str) -> None:
+        """LEFT only while the run exists: the last node out may have removed it (a check,
+        then a set: a TCPStore has no transaction, and its keys end with its host anyway)."""
         self._left.add(node)
-        self._run("leave", lambda: self._store.set(f"hb/{node}", LEFT))
+
+        def write() -> None:
+            if self._store.check([STATE_KEY]):
+                self._store.set(f"hb/{node}", LEFT)
+        self._run("leave", write)
 
     def read_beats(self, nodes: Iterable[str]) -> dict[str, bytes | None]:
         nodes = list(nodes)

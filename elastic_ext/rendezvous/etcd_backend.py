@@ -274,7 +274,9 @@ class EtcdBackend(StoreBackend):
         """Revokes the lease first: a heartbeat still on its way (a keeper thread that
         outlived its stop) then fails on the missing lease instead of landing after LEFT,
         where the last node out would read this node as still there and keep the run's
-        keys."""
+        keys. The revoke deletes the heartbeat key, so until LEFT is written the others
+        read this node as gone, and the last of them may remove the run meanwhile: LEFT is
+        written only while the run's state exists, never bringing back a removed run."""
         with self._lease.lock:
             self._lease.left = True
             lease, self._lease.id = self._lease.id, None
@@ -284,7 +286,7 @@ class EtcdBackend(StoreBackend):
             except StoreUnavailableError as exc:
                 if "lease not found" not in str(exc):
                     raise
-        self._client.put(f"{self._prefix}hb/{node}", LEFT)
+        self._client.put_if_exists(f"{self._prefix}hb/{node}", LEFT, guard=self._state_key)
 
     def read_beats(self, nodes: Iterable[str]) -> dict[str, bytes | None]:
         hb_prefix = f"{self._prefix}hb/"

@@ -292,6 +292,13 @@ class EtcdClient:
                 return False, KeyValue.from_reply(kvs[0])
         return False, None
 
+    def put_if_exists(self, key: str, value: bytes, guard: str) -> bool:
+        """Write ``value`` iff the key ``guard`` exists, in one transaction; whether it did."""
+        compare = {"key": _b64(guard), "target": "VERSION", "result": "GREATER", "version": "0"}
+        txn = {"compare": [compare],
+               "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}]}
+        return bool(self.call("/kv/txn", txn).get("succeeded"))
+
     def add(self, key: str, amount: int) -> int:
         """Atomic integer add, by compare-and-swap."""
         while True:

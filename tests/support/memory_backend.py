@@ -150,7 +150,10 @@ class MemoryBackend(StoreBackend):
 
     def leave(self, node: str) -> None:
         self._left.add(node)
-        self._put_beat(node, LEFT)
+        with self.store.lock:  # only while the run exists, as etcd's transaction does
+            self.store.check_up()
+            if self._prefix + STATE_KEY in self.store.keys:
+                self.store.put(f"{self._prefix}hb/{node}", LEFT)
 
     def read_beats(self, nodes: Iterable[str]) -> dict[str, bytes | None]:
         with self.store.lock:
