@@ -51,7 +51,9 @@ def test_a_lab_cuts_one_node_off_and_leaves_nothing_behind(tmp_path: Path) -> No
                   f"s.bind(({server_host.address!r}, 5000)); s.listen()\n"
                   "while True:\n c, _ = s.accept(); c.sendall(b'ok'); c.close()")
         server = processes.spawn("server", [*server_host.prefix, sys.executable, "-c", script])
-        # ip netns exec replaced itself: the pid is the server's
+        # ip netns exec replaced itself: the pid is the server's. Its environment reads as
+        # empty while the exec is under way, so the tag shows up within moments, not at once.
+        wait_until(lambda: server.pids() == [server.pid], 10, 0.05, "the server's tagged pid")
         assert server.pids() == [server.pid]
 
         def probe() -> bytes:
