@@ -79,7 +79,8 @@ def test_an_error_that_is_not_a_peers_fault_ends_the_process_with_its_traceback(
 def test_an_update_split_over_two_calls_counts_like_one_and_a_fault_inside_keeps_nothing(
         tmp_path: Path) -> None:
     """``begin_update``/``end_update`` (a framework's callbacks before and after the
-    update): the same steps as ``update()``, and a peer's fault between the two lets go of
+    update, the first one called twice in a step as under LBFGS): the same steps as
+    ``update()``, and a peer's fault between the two lets go of
     the update's lock before the keep takes it (no deadlock) and keeps no half update."""
     split = run_job(tmp_path / "split", steps=5, dataset=10, split_update=True)
     plain = run_job(tmp_path / "plain", steps=5, dataset=10)

@@ -26,9 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +34,8 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
+from elastic_ext.integrations.resume import new_resume_dir, restore_for_framework
 from elastic_ext.loop import ElasticLoop, LoopSettings
-from elastic_ext.snapshot import SnapshotMismatchError
 
 logger = logging.getLogger(__name__)
 
@@ -118,17 +116,12 @@ class ElasticCallback(TrainerCallback):
         """
         model = trainer.model
         self._trainer_state.trainer = trainer
-        self.loop.restore(model=model)
+        restored = restore_for_framework(self.loop, model, _KEPT,
+                                         "elastic_ext.integrations.huggingface.ElasticCallback")
         self._restored = True
-        restored = self.loop.restored
         if restored is None:
             return None
-        missing = [name for name in _KEPT if name not in restored.state]
-        if missing:
-            raise SnapshotMismatchError(
-                f"{restored.origin} has no {', '.join(missing)}: it was not taken by "
-                "ElasticCallback; give this run another --snapshot-dir")
-        directory = Path(tempfile.mkdtemp(prefix="elastic-ext-resume-", dir=_node_memory()))
+        directory = new_resume_dir()
         torch.save(model.state_dict(), directory / WEIGHTS_FILE)
         torch.save(restored.state["optimizer"], directory / OPTIMIZER_FILE)
         torch.save(restored.state["scheduler"], directory / SCHEDULER_FILE)
@@ -175,11 +168,6 @@ class ElasticCallback(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState,
                      control: TrainerControl, **kwargs: Any) -> None:
         self.loop.finish()
-
-
-def _node_memory() -> str | None:
-    """``/dev/shm`` where there is one (the resume directory is read once, at once)."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
 __all__ = ["ElasticCallback"]

@@ -55,6 +55,7 @@ from elastic_ext.distributed import (
 )
 from elastic_ext.loop.data import DataPosition, next_batch, shard
 from elastic_ext.loop.events import MetricsLog
+from elastic_ext.loop.sampler import StepSampler
 from elastic_ext.preemption import GuardSettings, PreemptionGuard, exit_now
 from elastic_ext.snapshot import HeldStep, Restored, SnapshotError, Snapshotter, Source, Stateful
 from elastic_ext.snapshot.hook import SnapshotInfo
@@ -199,6 +200,29 @@ class ElasticLoop:
         Raises:
             SnapshotError: the restored state was trained with another seed or dataset.
         """
+        position = self.start_data(dataset_size, global_batch_size, seed=seed)
+        last = steps if steps is not None else self.settings.total_steps
+        while last is None or self.step < last:
+            global_ids, after = next_batch(position, seed, global_batch_size, dataset_size)
+            self.batch_started(global_ids, after)
+            yield shard(global_ids, self.rank, self.world_size)
+            position = self.position or DataPosition()
+
+    def batch_sampler(self, dataset_size: int, global_batch_size: int, *,
+                      seed: int = 0) -> StepSampler:
+        """``batches`` as a ``DataLoader``'s ``batch_sampler``, for a framework that owns
+        the loop (one epoch per iteration); its hook at the start of each step's batch
+        calls ``StepSampler.started``."""
+        return StepSampler(self, dataset_size, global_batch_size, seed=seed)
+
+    def start_data(self, dataset_size: int, global_batch_size: int, *,
+                   seed: int = 0) -> DataPosition:
+        """Check a data order against the restored one and return where it continues.
+
+        Raises:
+            SnapshotError: the restored state was trained with another seed or dataset.
+            ValueError: fewer samples per step than ranks.
+        """
         saved = self._data_settings
         if saved and (saved.get("seed"), saved.get("dataset_size")) != (seed, dataset_size):
             raise SnapshotError(
@@ -215,14 +239,15 @@ class ElasticLoop:
                              f"world size {self.world_size}")
         self._data_settings = {"seed": seed, "dataset_size": dataset_size,
                                "global_batch_size": global_batch_size}
-        last = steps if steps is not None else self.settings.total_steps
         if self.position is None:
             self.position = DataPosition()
             self.held = HeldStep(self.step, self.position, device=self.device)
-        while last is None or self.step < last:
-            self.global_ids, self._next = next_batch(self.position, seed, global_batch_size,
-                                                     dataset_size)
-            yield shard(self.global_ids, self.rank, self.world_size)
+        return self.position
+
+    def batch_started(self, global_ids: torch.Tensor, after: DataPosition) -> None:
+        """The step now under way trains ``global_ids``; the data stands at ``after`` once
+        it is done."""
+        self.global_ids, self._next = global_ids, after
 
     @property
     def next_position(self) -> DataPosition | None:
@@ -240,7 +265,11 @@ class ElasticLoop:
     def begin_update(self) -> None:
         """``update()`` for a framework that calls back before the update and after it
         (the optimizer's step, the scheduler's, its step count); ``end_update`` closes it.
-        A peer's fault in between keeps nothing of the half-applied update."""
+        A peer's fault in between keeps nothing of the half-applied update. A second call
+        before ``end_update`` is part of the same update (an optimizer such as LBFGS
+        calls a framework's closure, and its hook, several times in one step)."""
+        if self._open_update is not None:
+            return
         stack = ExitStack()
         stack.enter_context(self.update())
         self._open_update = stack
@@ -314,6 +343,16 @@ class ElasticLoop:
         and waits for the agent to stop this worker; anything else is raised again."""
         exit_now(self.guard.failure_exit_code(exc))
 
+    def exit_on_peer_fault(self, exc: BaseException) -> None:
+        """For a framework's exception hook, before its own clean-up (which could wait on
+        the broken group): a peer's fault keeps the held step and waits here for the agent
+        to stop this worker; for anything else this returns."""
+        try:
+            code = self.guard.failure_exit_code(exc)
+        except BaseException:  # not a peer's fault: the framework's to handle
+            return
+        exit_now(code)
+
     def close(self) -> None:
         """Flush what this worker wrote; the guard and the excepthook stand down. The
         process group is left alone: torch 2.13 can deadlock freeing a gloo group
@@ -330,22 +369,27 @@ class ElasticLoop:
     def _excepthook(self, kind: type[BaseException], exc: BaseException,
                     tb: TracebackType | None) -> None:
         if not self._closed and isinstance(exc, Exception):
-            try:
-                code = self.guard.failure_exit_code(exc)
-            except BaseException:  # not a peer's fault: the usual traceback
-                self._previous_hook(kind, exc, tb)
-                return
-            exit_now(code)
+            self.exit_on_peer_fault(exc)  # else the usual traceback
         self._previous_hook(kind, exc, tb)
+
+    def abandon_update(self, why: str) -> None:
+        """An update ``begin_update`` opened will not complete (it raised): it is never
+        held, and its lock is let go. Only from the thread that opened it (the main one)."""
+        stack = self._open_update
+        if stack is not None and threading.current_thread() is threading.main_thread():
+            self._open_update = None
+            stack.__exit__(RuntimeError, RuntimeError(why), None)
+
+    @property
+    def closed(self) -> bool:
+        """``finish`` or ``close`` ran: this worker's part is over."""
+        return self._closed
 
     def _keep_on_fault(self, why: str) -> None:
         """The guard's ``keep_state``: keep the held step before leaving mid-step."""
-        stack = self._open_update
-        if stack is not None and threading.current_thread() is threading.main_thread():
-            # Left between begin_update and end_update: that update is not held, and its
-            # lock (this thread's) must be let go before the keep takes it.
-            self._open_update = None
-            stack.__exit__(RuntimeError, RuntimeError(why), None)
+        # Left between begin_update and end_update: that update is not held, and its lock
+        # (this thread's) must be let go before the keep takes it.
+        self.abandon_update(why)
         result = self.held.keep(
             lambda step, position: self.snapshots.stage_kept(self.state(position)),
             self.snapshots.write_kept)

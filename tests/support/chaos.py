@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from elastic_ext.chaos.runner import RunOptions, RunResult, run_scenario
 from elastic_ext.chaos.scenario import parse
@@ -35,6 +36,41 @@ def run_program(text: str, name: str, program: Path, workdir: Path) -> RunResult
              if e["event"] == "step"]
     assert len(steps) == len(set(steps)), f"steps trained twice: {explain(result)}"
     return result
+
+
+def rank0_then_preempt(steps: int, preempt_at: int) -> str:
+    """The integrations' scenario: rank 0's machine dies (it hosts the workers' store and
+    the metrics writer) under ``--max-restarts=0``; later the whole job is preempted and
+    started again."""
+    return f"""\
+nodes = 3
+etcd-members = 1
+max-restarts = 0
+steps = {steps}
+snapshot-every = 10
+step-delay = 0.05
+global-batch-size = 12
+rdzv-conf = last_call_timeout=5
+timeout = 300
+at step 35: kill node rank0
+at step {preempt_at}: preempt all
+when stopped: start all
+"""
+
+
+def check_rank0_then_preempt(result: RunResult, workdir: Path) -> list[dict[str, Any]]:
+    """What ``rank0_then_preempt`` must show besides ``run_program``'s checks: the three
+    machines, then two, then three again; the survivors' memory after the death; one
+    preemption by SIGUSR2, and the restarted job at the very step it saved, from disk.
+    Returns the metrics events."""
+    assert worlds(result) == [3, 2, 3], explain(result)
+    events = read_json_lines(workdir / "metrics.jsonl")
+    preempted = [e for e in events if e["event"] == "preempted"]
+    assert len(preempted) == 1 and preempted[0]["signal"] == "SIGUSR2", explain(result)
+    restored = [e for e in events if e["event"] == "restore"]
+    assert [e["source"] for e in restored] == ["none", "local", "disk"], explain(result)
+    assert restored[-1]["step"] == preempted[0]["step"], explain(result)
+    return events
 
 
 def worlds(result: RunResult) -> list[int]:

@@ -5,7 +5,8 @@ argv: a JSON object ``{"dir": DIR, "steps": N, "dataset": D, "raise_at": step | 
 (``{"step": s, "ids": [...]}``) and the loop's events go to ``DIR/metrics.jsonl``;
 ``raise_at`` raises a plain error at that step (not a peer's fault), which must end the
 process with its traceback as usual. ``split_update`` updates between ``begin_update``
-and ``end_update`` (as a framework's callbacks do); ``fault_in_update_at`` has the guard
+and ``end_update`` (as a framework's callbacks do, the first one twice as for an
+optimizer that calls its closure several times); ``fault_in_update_at`` has the guard
 keep the state between the two at that step, as a peer's fault there would, then exits.
 """
 
@@ -33,6 +34,7 @@ def main() -> None:
         loss.backward()
         if spec.get("split_update"):
             loop.begin_update()
+            loop.begin_update()  # again, as LBFGS calls a framework's closure and hook twice
             optimizer.step()
             optimizer.zero_grad()
             if loop.step + 1 == spec.get("fault_in_update_at"):

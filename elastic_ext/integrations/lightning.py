@@ -1,0 +1,280 @@
+"""A Lightning ``Trainer`` that loses at most the step in flight when a node dies.
+
+``ElasticCallback`` runs an :class:`~elastic_ext.loop.ElasticLoop` under the Trainer:
+the held-step bookkeeping from ``on_before_optimizer_step`` to ``on_train_batch_end``
+(Lightning steps the optimizer and its step-interval schedulers in between), the
+step-boundary agreement in ``on_train_batch_end``, keep-on-fault from ``on_exception``,
+a durable snapshot every K steps and on a stop. A new round's state comes from the
+peers (or the newest snapshot) through Lightning's own resume path: ``resume_from``
+writes the restored step as a checkpoint in node memory for ``fit(ckpt_path=...)``.
+The sizes come from torchrun, so rounds of another world size work; the data order is
+the loop's exactly-once order (``batch_sampler``)::
+
+    elastic = ElasticCallback(LoopSettings(snapshot_dir="snapshots", snapshot_every=50))
+    trainer = L.Trainer(accelerator="auto", strategy="ddp", devices=elastic.devices,
+                        num_nodes=elastic.num_nodes, use_distributed_sampler=False,
+                        max_steps=1000, callbacks=[elastic])
+    loader = DataLoader(data, batch_sampler=elastic.batch_sampler(len(data), 32))
+    trainer.fit(model, loader, ckpt_path=elastic.resume_from(model))
+
+Put it last in ``callbacks``: the hooks after the boundary (later callbacks', the
+module's ``on_train_batch_end``) do not run for a step the job stops at, and must not
+change what is kept. Not covered: gradient accumulation and manual optimization
+(refused at the start); a ``training_step`` that takes ``dataloader_iter``, or a batch
+skipped by returning None or -1; plateau schedulers (they step after the boundary, so a
+keep there may hold them either side of their step); sharded strategies and optimizers
+(FSDP, DeepSpeed, ZeroRedundancyOptimizer: DDP only); callbacks that swap the weights
+when checkpointing (weight averaging); hyperparameters are not kept (``fit`` does not
+read them) and what ``on_save_checkpoint`` adds must be plain data (tensors, numbers,
+strings, containers); RNG states travel only in durable snapshots.
+
+Lightning's SIGTERM handler broadcasts from inside the signal handler, a collective on
+one rank at a random point of the step, and its teardown puts back the handlers it
+found; the callback keeps Lightning from installing any (``setup``), so a notice stops
+the job at the step boundary as for any ``ElasticLoop``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from elastic_ext.integrations.resume import new_resume_dir, restore_for_framework
+from elastic_ext.loop import ElasticLoop, LoopSettings
+from elastic_ext.loop.sampler import StepSampler
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_FILE = "elastic-ext-resume.ckpt"
+_KEPT = ("lightning",)
+# The checkpoint's keys for hyperparameters (LightningModule.CHECKPOINT_HYPER_PARAMS_*):
+# arbitrary objects, and fit(ckpt_path=...) does not read them.
+_NOT_KEPT = ("state_dict", "hparams_name", "hyper_parameters", "hparams_type",
+             "datamodule_hparams_name", "datamodule_hyper_parameters", "datamodule_hparams_type")
+
+
+def dump_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
+    """Lightning's checkpoint of ``trainer`` as a dict, made on this rank alone (no
+    barrier, unlike ``Trainer.save_checkpoint``): the one Lightning internal used here,
+    ``trainer._checkpoint_connector.dump_checkpoint`` (lightning 2.6)."""
+    connector = getattr(trainer, "_checkpoint_connector", None)
+    dump = getattr(connector, "dump_checkpoint", None)
+    if dump is None:
+        raise RuntimeError(f"lightning {pl.__version__} has no Trainer._checkpoint_connector."
+                           "dump_checkpoint; elastic-ext's Lightning callback needs lightning "
+                           "2.6 (pip install 'elastic-ext[lightning]')")
+    checkpoint: dict[str, Any] = dump(weights_only=False)
+    return checkpoint
+
+
+def keep_signal_handlers(trainer: pl.Trainer) -> None:
+    """Lightning installs no signal handlers for ``trainer``'s run: the second Lightning
+    internal used here, ``trainer._signal_connector.register_signal_handlers``."""
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is None or not hasattr(connector, "register_signal_handlers"):
+        raise RuntimeError(f"lightning {pl.__version__} has no Trainer._signal_connector."
+                           "register_signal_handlers; elastic-ext's Lightning callback needs "
+                           "lightning 2.6 (pip install 'elastic-ext[lightning]')")
+    connector.register_signal_handlers = lambda: None
+
+
+def loops_state(trainer: pl.Trainer) -> dict[str, Any]:
+    """The loops' progress counters, as in the checkpoint's ``loops`` (a copy)."""
+    return copy.deepcopy({"fit_loop": trainer.fit_loop.state_dict(),
+                          "validate_loop": trainer.validate_loop.state_dict(),
+                          "test_loop": trainer.test_loop.state_dict()})
+
+
+class _LightningState:
+    """The Trainer's checkpoint less the weights (kept as ``model``) as a snapshot entry.
+
+    Taken when it is kept, except the loops' counters: a fault mid-step finds them
+    already counting the step in flight, so they come from the boundary of the step
+    kept, where Lightning's own ``on_train_batch_end`` checkpoints take them.
+    """
+
+    def __init__(self, loop: ElasticLoop) -> None:
+        self.loop = loop
+        self.trainer: pl.Trainer | None = None
+        self._boundaries: dict[int, dict[str, Any]] = {}
+
+    def at_boundary(self, step: int, trainer: pl.Trainer) -> None:
+        """Step ``step`` is done (its update applied): remember the loops' counters."""
+        self._boundaries = {s: v for s, v in self._boundaries.items() if s == step - 1}
+        self._boundaries[step] = loops_state(trainer)
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.trainer is not None, "tracked from on_train_start on"
+        checkpoint = dump_checkpoint(self.trainer)
+        for key in _NOT_KEPT:
+            checkpoint.pop(key, None)
+        step = self.loop.held.step
+        if step is None:  # no keep during an update; a glance for the commit paths
+            step = self.loop.step
+        boundary = self._boundaries.get(step)
+        if boundary is not None:
+            checkpoint["loops"] = boundary
+        checkpoint["global_step"] = step
+        return checkpoint
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Loaded by Lightning from the checkpoint ``resume_from`` writes instead."""
+
+
+class ElasticCallback(pl.Callback):
+    """The elastic-ext protocol for a Lightning ``Trainer`` run under torchrun.
+
+    Create it before the ``Trainer``: it installs the preemption guard and creates the
+    process group (gloo on CPU, NCCL with its error handling on GPUs), which Lightning's
+    DDP strategy then uses. Give the Trainer ``devices=callback.devices``,
+    ``num_nodes=callback.num_nodes`` and ``use_distributed_sampler=False``, the
+    ``DataLoader`` ``batch_sampler=callback.batch_sampler(...)``, and resume with
+    ``fit(..., ckpt_path=callback.resume_from(model))``.
+    """
+
+    def __init__(self, settings: LoopSettings | None = None, *,
+                 loop: ElasticLoop | None = None) -> None:
+        self.loop = loop if loop is not None else ElasticLoop(settings)
+        self._state = _LightningState(self.loop)
+        self._sampler: StepSampler | None = None
+        self._resume_dir: Path | None = None
+        self._restored = False
+
+    # -- what the Trainer is given
+    @property
+    def devices(self) -> int:
+        """Workers on this node: torchrun's ``--nproc-per-node`` (``LOCAL_WORLD_SIZE``)."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in this round, from its world size: a fixed ``num_nodes`` fails every
+        round after the world size changed.
+
+        Raises:
+            ValueError: the world size is not a multiple of this node's workers.
+        """
+        world, local = self.loop.world_size, self.devices
+        if world % local:
+            raise ValueError(f"a world of {world} is not whole nodes of {local} worker(s): "
+                             "give every node the same --nproc-per-node")
+        return world // local
+
+    def batch_sampler(self, dataset_size: int, global_batch_size: int, *,
+                      seed: int = 0) -> StepSampler:
+        """The ``DataLoader``'s ``batch_sampler``: every sample of an epoch exactly once
+        across the ranks, whatever the world size and however many rounds
+        (``ElasticLoop.batches``); the Trainer needs ``use_distributed_sampler=False``."""
+        self._sampler = self.loop.batch_sampler(dataset_size, global_batch_size, seed=seed)
+        # The DataLoader is not Stateful to Lightning, the sampler is: a mid-epoch resume
+        # continues the epoch, which Lightning's warning says it may not.
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended "
+                                "before the epoch ended")
+        return self._sampler
+
+    def resume_from(self, model: pl.LightningModule) -> str | None:
+        """Load the newest step any rank holds (collective, on every rank) and write it as
+        a checkpoint for ``trainer.fit(..., ckpt_path=...)``; None for a fresh start.
+
+        Raises:
+            SnapshotMismatchError: the newest state is of another model, or was not
+                taken by this callback.
+        """
+        restored = restore_for_framework(self.loop, model, _KEPT,
+                                         "elastic_ext.integrations.lightning.ElasticCallback")
+        self._restored = True
+        if restored is None:
+            return None
+        checkpoint = {**restored.state["lightning"], "state_dict": model.state_dict()}
+        directory = new_resume_dir()
+        torch.save(checkpoint, directory / CHECKPOINT_FILE)
+        self._resume_dir = directory
+        logger.info("resuming the Trainer at step %d from %s", restored.step, restored.origin)
+        return str(directory / CHECKPOINT_FILE)
+
+    # -- the Trainer's events, on every rank
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Before Lightning installs its signal handlers: it installs none. Its SIGTERM
+        handler broadcasts from inside the handler (a collective on one rank at a random
+        point of the step) and its teardown would put back the guard's after ``finish``;
+        the guard stops the job at the step boundary instead."""
+        keep_signal_handlers(trainer)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.world_size != self.loop.world_size:
+            raise RuntimeError(
+                f"the Trainer runs {trainer.world_size} rank(s) of the {self.loop.world_size} "
+                "torchrun started: give it strategy='ddp', devices=callback.devices and "
+                "num_nodes=callback.num_nodes")
+        if not self._restored:
+            raise RuntimeError("ElasticCallback: call trainer.fit(..., ckpt_path=callback."
+                               "resume_from(model)) so that a new round starts from the step "
+                               "the others hold")
+        if not pl_module.automatic_optimization or trainer.accumulate_grad_batches != 1:
+            raise RuntimeError("ElasticCallback keeps whole optimizer steps of automatic "
+                               "optimization: drop accumulate_grad_batches and manual "
+                               "optimization, or write the loop with elastic_ext.ElasticLoop")
+        if self._sampler is None:
+            logger.warning("the DataLoader has no ElasticCallback.batch_sampler: each new "
+                           "round starts its epoch's data over")
+        self._remove_resume_dir()  # Lightning loaded it before this event
+        if trainer.global_step != self.loop.step:
+            raise RuntimeError(
+                f"the Trainer starts at step {trainer.global_step} but elastic-ext restored "
+                f"step {self.loop.step}: resume only from ElasticCallback.resume_from(model)")
+        self._state.trainer = trainer
+        self._state.at_boundary(self.loop.step, trainer)
+        self.loop.track(lightning=self._state)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        if self._sampler is not None:
+            self._sampler.started()
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        self.loop.begin_update()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After the optimizer's and the step-interval schedulers' step: the update is
+        complete, then the step boundary (which may keep or commit and exit)."""
+        self._state.at_boundary(self.loop.step + 1, trainer)
+        self.loop.end_update()
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        self.loop.step_done(loss if isinstance(loss, torch.Tensor) else None)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.loop.finish()
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Also when Lightning found nothing left to train (a round restored the last
+        step, say after a peer died in ``finish``): then the job is done all the same."""
+        self._remove_resume_dir()
+        if not self.loop.closed:
+            self.loop.finish()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        """Before Lightning's teardown, which would wait on the broken group: a peer's
+        fault keeps the held step and waits for the agent here; anything else goes on
+        to Lightning (an update it cut short is not held)."""
+        self.loop.exit_on_peer_fault(exception)
+        self.loop.abandon_update(f"the step raised {type(exception).__name__}")
+
+    def _remove_resume_dir(self) -> None:
+        if self._resume_dir is not None:
+            shutil.rmtree(self._resume_dir, ignore_errors=True)
+            self._resume_dir = None
+
+
+__all__ = ["ElasticCallback", "dump_checkpoint", "keep_signal_handlers", "loops_state"]

@@ -1,0 +1,85 @@
+"""What the framework integrations share for their framework's resume path.
+
+The restored step is written as the framework's checkpoint in a directory in node
+memory (``/dev/shm``), read once at the start of training and removed then. A worker
+that dies before that leaves it behind, so each new one sweeps the directories of
+workers no longer alive on this machine (same pid namespace). Until the framework
+has built what it restores into, the restored entries are kept as they came.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from elastic_ext.loop import ElasticLoop
+from elastic_ext.procinfo import pid_alive
+from elastic_ext.snapshot import Restored, SnapshotMismatchError, Stateful
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "elastic-ext-resume-"
+
+
+def node_memory() -> Path | None:
+    """``/dev/shm`` where there is one and it is writable, else None (the temp dir)."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
+def new_resume_dir() -> Path:
+    """A fresh directory of this process's, after removing those of dead workers."""
+    base = node_memory() or Path(tempfile.gettempdir())
+    for stale in base.glob(f"{PREFIX}*-*"):
+        owner = stale.name[len(PREFIX):].split("-", 1)[0]
+        if owner.isdigit() and not pid_alive(int(owner)):
+            logger.info("removing %s, left by a worker that died", stale)
+            with contextlib.suppress(OSError):
+                shutil.rmtree(stale)
+    return Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=base))
+
+
+class Carried:
+    """A restored entry, kept as it came until the framework's own object replaces it
+    (``ElasticLoop.track``): a fault before training started keeps the whole step."""
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        self.state = dict(state)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.state = dict(state_dict)
+
+
+def restore_for_framework(loop: ElasticLoop, model: Stateful, kept: Sequence[str],
+                          callback: str) -> Restored | None:
+    """An integration's collective restore: the newest step any rank holds, loaded into
+    ``model``, its framework's entries (``kept``) carried until the framework's objects
+    replace them; None for a fresh start (nothing, or a step 0 kept before training).
+
+    Raises:
+        SnapshotMismatchError: the newest state is of another model, or was not taken by
+            ``callback`` (an entry of ``kept`` is missing).
+    """
+    loop.restore(model=model)
+    restored = loop.restored
+    if restored is None or restored.step == 0:
+        return None
+    missing = [name for name in kept if name not in restored.state]
+    if missing:
+        raise SnapshotMismatchError(
+            f"{restored.origin} has no {', '.join(missing)}: it was not taken by {callback}; "
+            "give this run another --snapshot-dir")
+    loop.track(**{name: Carried(restored.state[name]) for name in kept})
+    return restored
+
+
+__all__ = ["PREFIX", "Carried", "new_resume_dir", "node_memory", "restore_for_framework"]
