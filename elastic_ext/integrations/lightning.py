@@ -64,8 +64,8 @@ _NOT_KEPT = ("state_dict", "hparams_name", "hyper_parameters", "hparams_type",
 
 def dump_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
     """Lightning's checkpoint of ``trainer`` as a dict, made on this rank alone (no
-    barrier, unlike ``Trainer.save_checkpoint``): the one Lightning internal used here,
-    ``trainer._checkpoint_connector.dump_checkpoint`` (lightning 2.6)."""
+    barrier, unlike ``Trainer.save_checkpoint``): the first of the two Lightning internals
+    used here, ``trainer._checkpoint_connector.dump_checkpoint`` (lightning 2.6)."""
     connector = getattr(trainer, "_checkpoint_connector", None)
     dump = getattr(connector, "dump_checkpoint", None)
     if dump is None:
