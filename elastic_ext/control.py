@@ -43,7 +43,6 @@ _PREEMPT = "preempt"
 _NOTICE = "notice"
 _DONE = "done"
 _DIR_PREFIX = "elastic-ext-ctl-"
-_DIR_RE = re.compile(rf"^{_DIR_PREFIX}(\d+)-")
 _NODE_MEMORY = Path("/dev/shm")
 
 
@@ -54,23 +53,25 @@ def node_memory_directory() -> Path:
     return Path(tempfile.gettempdir())
 
 
-def remove_abandoned(base: Path) -> list[Path]:
-    """Remove this user's control directories in ``base`` whose agent is dead (killed,
-    so it could not clean up); returns what was removed. Their kept state is in RAM."""
+def remove_abandoned(base: Path, prefix: str = _DIR_PREFIX) -> list[Path]:
+    """Remove this user's directories ``<prefix><pid>-*`` in ``base`` whose owner is dead
+    (killed, so it could not clean up); returns what was removed. By default the agents'
+    control directories, whose kept state is in RAM."""
+    owned = re.compile(rf"^{re.escape(prefix)}(\d+)-")
     removed: list[Path] = []
     try:
         entries = list(base.iterdir())
     except OSError:
         return removed
     for entry in entries:
-        match = _DIR_RE.match(entry.name)
+        match = owned.match(entry.name)
         try:
             if not match or entry.stat().st_uid != os.getuid() or pid_alive(int(match[1])):
                 continue
         except OSError:
             continue
         shutil.rmtree(entry, ignore_errors=True)
-        logger.info("removed %s, left by an etcd-ext agent that is gone", entry)
+        logger.info("removed %s, left by a process that is gone", entry)
         removed.append(entry)
     return removed
 

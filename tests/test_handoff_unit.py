@@ -205,6 +205,20 @@ def test_an_agent_removes_what_a_killed_agent_left_in_node_memory(tmp_path: Path
     assert not left.exists() and live.exists() and other.exists()
 
 
+def test_a_framework_resume_dir_of_a_dead_worker_goes_and_control_dirs_stay(
+        tmp_path: Path) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    resume = tmp_path / f"elastic-ext-resume-{gone.pid}-ab"
+    resume.mkdir()
+    control = tmp_path / f"elastic-ext-ctl-{gone.pid}-cd"
+    control.mkdir()
+    live = tmp_path / f"elastic-ext-resume-{os.getpid()}-ef"
+    live.mkdir()
+    assert remove_abandoned(tmp_path, "elastic-ext-resume-") == [resume]
+    assert control.exists() and live.exists()
+
+
 def test_the_default_agent_directory_is_in_node_memory_and_goes_with_the_agent(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(CONTROL_DIR_ENV, raising=False)

@@ -9,39 +9,24 @@ has built what it restores into, the restored entries are kept as they came.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
-import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from elastic_ext.control import node_memory_directory, remove_abandoned
 from elastic_ext.loop import ElasticLoop
-from elastic_ext.procinfo import pid_alive
 from elastic_ext.snapshot import Restored, SnapshotMismatchError, Stateful
-
-logger = logging.getLogger(__name__)
 
 PREFIX = "elastic-ext-resume-"
 
 
-def node_memory() -> Path | None:
-    """``/dev/shm`` where there is one and it is writable, else None (the temp dir)."""
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else None
-
-
 def new_resume_dir() -> Path:
-    """A fresh directory of this process's, after removing those of dead workers."""
-    base = node_memory() or Path(tempfile.gettempdir())
-    for stale in base.glob(f"{PREFIX}*-*"):
-        owner = stale.name[len(PREFIX):].split("-", 1)[0]
-        if owner.isdigit() and not pid_alive(int(owner)):
-            logger.info("removing %s, left by a worker that died", stale)
-            with contextlib.suppress(OSError):
-                shutil.rmtree(stale)
+    """A fresh directory of this process's in node memory, after removing those of
+    workers no longer alive."""
+    base = node_memory_directory()
+    remove_abandoned(base, PREFIX)
     return Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=base))
 
 
@@ -82,4 +67,4 @@ def restore_for_framework(loop: ElasticLoop, model: Stateful, kept: Sequence[str
     return restored
 
 
-__all__ = ["PREFIX", "Carried", "new_resume_dir", "node_memory", "restore_for_framework"]
+__all__ = ["PREFIX", "Carried", "new_resume_dir", "restore_for_framework"]
