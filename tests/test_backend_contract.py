@@ -21,7 +21,6 @@ from elastic_ext.net import free_port
 from elastic_ext.rendezvous.backend import STATE_KEY, StoreBackend
 from elastic_ext.rendezvous.c10d_backend import C10dBackend
 from elastic_ext.rendezvous.clock import SystemClock
-from elastic_ext.rendezvous.errors import ConfigError
 from elastic_ext.rendezvous.etcd_backend import EtcdBackend
 from elastic_ext.rendezvous.liveness import LEFT
 from elastic_ext.rendezvous.settings import Settings
@@ -234,28 +233,32 @@ def test_a_leave_after_the_last_node_out_removed_the_run_brings_back_no_key(
     leaving.leave("n1")
     assert leaving.get_state() is None
     assert leaving.read_beats(["n1", "n2"]) == {"n1": None, "n2": None}
-    if isinstance(leaving, EtcdBackend):  # the only store that can list its keys
-        assert "run" not in leaving.list_runs()
+    assert "run" not in leaving.list_runs()
 
 
-def test_dropped_round_stores_are_gone_where_the_store_can_enumerate_keys(
-        backend: StoreBackend) -> None:
-    backend.round_store("gen1", 1).set("k", "old")
-    backend.round_store("gen1", 2).set("k", "new")
+def test_dropped_round_stores_and_their_joins_are_gone(make_backend) -> None:
+    backend, other_run = make_backend(), make_backend("other")
+    for store in (backend, other_run):
+        store.round_store("gen1", 1).set("k", "old")
+        store.round_store("gen1", 2).set("k", "new")
+        store.join("gen1", 1, "n1", b"old-entry")
+        store.join("gen1", 2, "n1", b"new-entry")
+    backend.round_store("gen0", 5).set("k", "another generation")
     backend.drop_round_stores("gen1", 2)
     assert backend.round_store("gen1", 2).get("k") == b"new"
-    if not isinstance(backend, C10dBackend):  # a TCPStore keeps them for its life (documented)
-        assert not backend.round_store("gen1", 1).check(["k"])
+    assert backend.read_joins("gen1", 2) == [("n1", b"new-entry")]
+    assert not backend.round_store("gen1", 1).check(["k"])
+    assert not backend.round_store("gen0", 5).check(["k"])
+    assert backend.read_joins("gen1", 1) == []
+    # another run's keys are not this run's to drop
+    assert other_run.round_store("gen1", 1).get("k") == b"old"
+    assert other_run.read_joins("gen1", 1) == [("n1", b"old-entry")]
 
 
 def test_list_runs_names_every_run_under_the_prefix(make_backend) -> None:
     a, b = make_backend("job-a"), make_backend("job-b")
     set_state(a, b"a")
     b.beat("n1")
-    if isinstance(a, C10dBackend):
-        with pytest.raises(ConfigError, match="needs etcd"):
-            a.list_runs()
-        return
     assert a.list_runs() == ["job-a", "job-b"] == b.list_runs()
     assert make_backend("job-a", key_prefix="/elsewhere").list_runs() == []
 
@@ -317,3 +320,39 @@ def test_a_keeper_read_beats_and_reads_what_a_keeper_needs(make_backend) -> None
         b.beat(n)
     beats = a.keeper_read("me", None, many).beats
     assert [n for n in many if beats[n] is not None] == many[:6]
+
+
+def test_the_state_after_a_version_is_that_version_or_a_newer_one(make_backend) -> None:
+    writer, reader = make_backend(), make_backend()
+    keeper = reader.clone()  # as the keeper reads, beside the handler's connection
+    assert keeper.state_after(keeper.state_version()) is None
+    set_state(writer, b"x")
+    first = keeper.state_version()
+    state = keeper.state_after(first)
+    assert state is not None and state[0] == b"x"
+    set_state(writer, b"y", writer.get_state()[1])
+    state = keeper.state_after(keeper.state_version())
+    assert state is not None and state[0] == b"y"
+    state = keeper.state_after(first)  # an older version: this one or newer
+    assert state is not None and state[0] in (b"x", b"y")
+    keeper.close()
+
+
+@pytest.mark.etcd
+def test_a_keepers_state_reads_come_from_the_handlers_watch_on_etcd(etcd, monkeypatch) -> None:
+    """At 1,024 agents each version of the state (28 KB) read again by every keeper was
+    a second copy of every round change (issue 27): the keeper's clone shares the watch."""
+    endpoint = etcd.members[0].endpoint
+    writer = EtcdBackend(settings_for(endpoint))
+    handler_side = EtcdBackend(settings_for(endpoint))
+    keeper = handler_side.clone()
+    reads: list[str] = []
+    monkeypatch.setattr(keeper, "get_state", lambda: reads.append("get_state"))
+    _, token, _ = set_state(writer, b"v1")
+    assert handler_side.wait_for_state(None, 5.0, SystemClock())  # the handler's watch runs
+    for value in (b"v2", b"v3"):
+        _, token, _ = set_state(writer, value, token)
+        state = keeper.state_after(keeper.state_version())
+        assert state is not None and state[0] == value
+    assert reads == []
+    handler_side.close()

@@ -179,6 +179,12 @@ class StoreBackend(ABC):
                 return False
             clock.sleep(min(STATE_POLL_S, max(0.0, deadline - clock.monotonic())))
 
+    def state_after(self, version: object | None) -> tuple[bytes, Token] | None:
+        """The state as of ``version`` (what ``state_version`` or ``keeper_read`` gave) or
+        newer, and its token; None when there is none. Stores that keep a watch of the
+        state (etcd) answer from it, with no request; this default reads it."""
+        return self.get_state()
+
     @abstractmethod
     def join(self, generation: str, round_: int, node: str, entry: bytes) -> int:
         """Write ``node``'s join entry (``joins.JoinEntry``) under the open round: one

@@ -5,6 +5,12 @@ inside its agent; the others connect to it. That host is a single point of failu
 when its agent dies the store dies with it, the other agents' next store operation
 fails at once, and they exit. A store that survives a node is etcd's job (a 3-member
 cluster); the embedded store takes exactly one endpoint (``settings.py``).
+
+A node waiting on the state costs the store no request: a connection of its own blocks in
+``TCPStore.wait`` on the key the next state write creates (``c10d_feed.WriteFeed``). Where torch's
+TCPStore can list its keys (``list_keys``, torch >= 2.10) a closed round's join keys and
+round store are deleted and ``elastic-ext list`` works; before, they lived as long as the
+store.
 """
 
 from __future__ import annotations
@@ -20,12 +26,18 @@ from torch.distributed import PrefixStore, Store, TCPStore
 
 from elastic_ext.rendezvous.backend import (
     STATE_KEY,
-    STATE_POLL_S,
     StoreBackend,
     Token,
     heartbeat_value,
     unwrap_state,
     wrap_state,
+)
+from elastic_ext.rendezvous.c10d_feed import (
+    STATE_SEQ,
+    WriteFeed,
+    announce_write,
+    read_count,
+    read_key,
 )
 from elastic_ext.rendezvous.clock import Clock
 from elastic_ext.rendezvous.errors import ConfigError, StoreUnavailableError
@@ -39,8 +51,6 @@ logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 STORE_ERRORS = (RuntimeError, ValueError, TimeoutError)
-_STATE_SEQ = "state_seq"  # counts state writes, so waiters need not read the state
-_ABSENT = b"\0etcd-ext: no such key\0"
 
 
 class ByteStore(Protocol):
@@ -53,6 +63,15 @@ class ByteStore(Protocol):
     def multi_get(self, keys: list[str]) -> list[bytes]: ...
     def delete_key(self, key: str) -> bool: ...
     def add(self, key: str, amount: int) -> int: ...
+    def wait(self, keys: list[str], timeout: timedelta) -> None: ...
+
+
+def list_keys(store: TCPStore) -> list[str] | None:
+    """Every key the store holds (all tenants'), named as the store names them (a
+    ``PrefixStore`` adds its prefix and a ``/``); None where torch's TCPStore cannot list
+    them (``list_keys`` came in torch 2.10, pytorch PR 167883)."""
+    lister = getattr(store, "list_keys", None)
+    return None if lister is None else list(lister())
 
 
 def connect_tcp_store(settings: Settings, host_if_possible: bool = True) -> tuple[TCPStore, bool]:
@@ -80,14 +99,6 @@ def connect_tcp_store(settings: Settings, host_if_possible: bool = True) -> tupl
         "that hosts it (the one whose address matches the endpoint)") from last
 
 
-def read_key(store: ByteStore, key: str) -> bytes | None:
-    """The key's value, or None, in one request that never waits: ``get`` waits for a
-    missing key (a key removed after ``check`` said it was there would cost
-    ``connect_timeout``), while ``compare_set`` echoes an expected value that is absent."""
-    value = bytes(store.compare_set(key, _ABSENT, _ABSENT))
-    return None if value == _ABSENT else value
-
-
 def decode_state(raw: bytes) -> bytes:
     # value = magic + nonce line + state; the nonce makes every write's token unique
     return unwrap_state(raw).split(b"\n", 1)[1]
@@ -108,6 +119,8 @@ class C10dBackend(StoreBackend):
         self._hosts_store = hosts_store
         self._beats = 0
         self._seq_at: tuple[bytes, int] = (b"", -1)  # a state read and the write count before it
+        self._key_root = settings.run_prefix + "/"  # this run's keys as the TCPStore names them
+        self._feed: WriteFeed | None = None  # started by the first wait_for_state
 
     @classmethod
     def connect(cls, settings: Settings, *, may_host: bool = True) -> C10dBackend:
@@ -148,7 +161,7 @@ class C10dBackend(StoreBackend):
 
     def get_state(self) -> tuple[bytes, Token] | None:
         def read() -> tuple[bytes, Token] | None:
-            seq = self._store.add(_STATE_SEQ, 0)  # before the state: a write after bumps it
+            seq = read_count(self._store, STATE_SEQ)  # before the state: a write after bumps it
             raw = read_key(self._store, STATE_KEY)
             if raw is None:
                 return None
@@ -159,19 +172,19 @@ class C10dBackend(StoreBackend):
 
     def wait_for_state(self, token: Token | None, timeout: float, clock: Clock
                        ) -> bool | tuple[bytes, Token]:
-        """Looks at the counter of state writes every ``STATE_POLL_S``, not the state."""
+        """Waits on the count of state writes (``c10d_feed.WriteFeed``), not the state."""
         if token is None or self._seq_at[0] != token:
             return super().wait_for_state(token, timeout, clock)  # reads the state itself
         seq = self._seq_at[1]
-        deadline = clock.monotonic() + timeout
-        while clock.monotonic() < deadline:
-            try:
-                if self._run("state_version", lambda: self._store.add(_STATE_SEQ, 0)) != seq:
-                    return True
-            except StoreUnavailableError:
-                return True
-            clock.sleep(min(STATE_POLL_S, max(0.0, deadline - clock.monotonic())))
-        return False
+        if self._feed is None:
+            self._feed = WriteFeed(lambda: self.clone()._store, poke=self._store)
+        if self._feed.wait_past(seq, timeout):
+            return True
+        try:
+            return bool(self._run("state_version",
+                                 lambda: read_count(self._store, STATE_SEQ)) != seq)
+        except StoreUnavailableError:
+            return True
 
     def set_state(self, state: bytes, token: Token | None = None
                   ) -> tuple[bytes, Token, bool] | None:
@@ -183,7 +196,7 @@ class C10dBackend(StoreBackend):
         def write() -> tuple[bytes, Token, bool] | None:
             result = bytes(self._store.compare_set(STATE_KEY, token or b"", new_raw))
             if result == new_raw:
-                self._seq_at = (new_raw, self._store.add(_STATE_SEQ, 1))  # wakes waiters
+                self._seq_at = (new_raw, announce_write(self._store))
                 return state, new_raw, True
             if token and result == token and not self._store.check([STATE_KEY]):
                 return None  # the key vanished; compare_set echoes the expected value
@@ -191,7 +204,7 @@ class C10dBackend(StoreBackend):
         return self._run("set_state", write)
 
     def state_version(self) -> object | None:
-        return self._run("state_version", lambda: self._store.add(_STATE_SEQ, 0))
+        return self._run("state_version", lambda: read_count(self._store, STATE_SEQ))
 
     def join(self, generation: str, round_: int, node: str, entry: bytes) -> int:
         # A TCPStore cannot list keys: joins are numbered by an atomic counter.
@@ -209,7 +222,7 @@ class C10dBackend(StoreBackend):
         prefix = f"join/{generation}/{round_}/"
 
         def read() -> list[tuple[str, bytes]]:
-            count = self._store.add(prefix + "n", 0)
+            count = read_count(self._store, prefix + "n")
             keys = [f"{prefix}{i}" for i in range(1, count + 1)]
             if keys and self._store.check(keys):
                 return [(k, bytes(v)) for k, v in zip(keys, self._store.multi_get(keys),
@@ -227,7 +240,7 @@ class C10dBackend(StoreBackend):
     def count_joins(self, generation: str, round_: int) -> int:
         # joins numbered, dropped ones included: enough to see whether the round moves
         return self._run("count_joins",
-                         lambda: self._store.add(f"join/{generation}/{round_}/n", 0))
+                         lambda: read_count(self._store, f"join/{generation}/{round_}/n"))
 
     def read_joins(self, generation: str, round_: int) -> list[tuple[str, bytes]]:
         return [(node, entry) for _, node, entry in self._numbered_joins(generation, round_)]
@@ -237,7 +250,7 @@ class C10dBackend(StoreBackend):
         prefix = f"join/{generation}/{round_}/"
 
         def empty() -> None:
-            count = self._store.add(prefix + "n", 0)
+            count = read_count(self._store, prefix + "n")
             for i in range(1, count + 1):
                 raw = read_key(self._store, f"{prefix}{i}")
                 if raw is not None and raw.partition(b"\n")[0].decode(errors="replace") \
@@ -257,7 +270,16 @@ class C10dBackend(StoreBackend):
         if node not in self._left:
             self._run("beat", lambda: self._store.set(f"hb/{node}", value))
 
+    def _run_keys(self) -> list[str] | None:
+        """This run's keys as the TCPStore names them, or None where it cannot list them."""
+        keys = self._run("list_keys", lambda: list_keys(self._tcp))
+        return None if keys is None else [k for k in keys if k.startswith(self._key_root)]
+
     def remove_run(self) -> None:
+        listed = self._run_keys()
+        if listed is not None:
+            self._run("delete_key", lambda: [self._tcp.delete_key(k) for k in listed])
+            return
         current = self.get_state()
         nodes: set[str] = set()
         if current is not None:
@@ -296,10 +318,32 @@ class C10dBackend(StoreBackend):
         return PrefixStore(f"round/{generation}/{round_}/", self._prefixed)
 
     def drop_round_stores(self, generation: str, keep_from_round: int) -> None:
-        """A TCPStore cannot enumerate keys: round stores live as long as the store (the job)."""
+        """Also the join keys of those rounds. Where the TCPStore cannot list its keys
+        (torch < 2.10) they live as long as the store (the job)."""
+        listed = self._run_keys()
+        stale = []
+        for key in listed or []:
+            kind, _, rest = key[len(self._key_root):].partition("/")
+            gen, _, rest = rest.partition("/")
+            round_text = rest.partition("/")[0]
+            if kind in ("round", "join") and round_text and (
+                    gen != generation
+                    or (round_text.isdigit() and int(round_text) < keep_from_round)):
+                stale.append(key)
+        if stale:
+            self._run("delete_key", lambda: [self._tcp.delete_key(k) for k in stale])
 
     def list_runs(self) -> list[str]:
-        raise ConfigError("listing runs needs etcd: the embedded store cannot enumerate keys")
+        keys = self._run("list_keys", lambda: list_keys(self._tcp))
+        if keys is None:
+            raise ConfigError("listing runs on the embedded store needs torch >= 2.10 "
+                              "(TCPStore.list_keys); upgrade torch, or use etcd")
+        root = self._settings.key_prefix.rstrip("/") + "/"
+        return sorted({k[len(root):].split("/", 1)[0] for k in keys if k.startswith(root)})
+
+    def close(self) -> None:
+        if self._feed is not None:
+            self._feed.close()
 
     def clone(self) -> C10dBackend:
         endpoint = self._settings.endpoints[0]

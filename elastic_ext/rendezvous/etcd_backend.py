@@ -51,6 +51,26 @@ _T = TypeVar("_T")
 
 
 @dataclass
+class _SharedFeed:
+    """The state watch of a backend and its clones (the keeper's): one stream per agent."""
+
+    feed: _StateFeed | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def get(self, client: EtcdClient, key: str) -> _StateFeed:
+        with self.lock:
+            if self.feed is None:
+                self.feed = _StateFeed(client, key)
+            return self.feed
+
+    def close(self) -> None:
+        with self.lock:
+            if self.feed is not None:
+                self.feed.close()
+                self.feed = None
+
+
+@dataclass
 class _Lease:
     """The agent's etcd lease, shared by its backend and the backend's clones."""
 
@@ -111,15 +131,20 @@ class _StateFeed:
 class EtcdBackend(StoreBackend):
     """The run's keys on an etcd cluster; see :class:`StoreBackend` for the contract."""
 
+    FEED_CATCH_UP_S = 0.2
+    """How long ``state_after`` waits for the watch to deliver a revision a read has seen
+    before it reads the state itself."""
+
     def __init__(self, settings: Settings, client: EtcdClient | None = None,
-                 lease: _Lease | None = None) -> None:
+                 lease: _Lease | None = None, feed: _SharedFeed | None = None) -> None:
         self._settings = settings
         self._client = client or EtcdClient(settings)
         self._prefix = settings.run_prefix
         self._state_key = self._prefix + STATE_KEY
         self._lease = lease or _Lease(ttl=max(10, math.ceil(4 * settings.timeouts.heartbeat)))
         self._beats = 0
-        self._feed: _StateFeed | None = None  # started by the first wait_for_state
+        self._feed = feed or _SharedFeed()  # started by the first wait; clones share it
+        self._owns_feed = feed is None
 
     @property
     def name(self) -> str:
@@ -163,16 +188,24 @@ class EtcdBackend(StoreBackend):
     def wait_for_state(self, token: Token | None, timeout: float, clock: Clock
                        ) -> bool | tuple[bytes, Token]:
         """Answered from this backend's watch of the state (``_StateFeed``): no request."""
-        if self._feed is None:
-            self._feed = _StateFeed(self._client, self._state_key)
         after = token if isinstance(token, int) and not isinstance(token, bool) else None
-        change = self._feed.wait_past(after, timeout)
+        change = self._feed.get(self._client, self._state_key).wait_past(after, timeout)
         if change is None:
             return False
         revision, kv = change
         if kv is None:
             return after is not None  # deleted (or still absent: nothing new)
         return unwrap_state(kv.value), revision
+
+    def state_after(self, version: object | None) -> tuple[bytes, Token] | None:
+        """From the watch of the state the handler keeps (the keeper's clone shares it):
+        each version of the state reaches an agent once, not once more for its keeper."""
+        if isinstance(version, int) and not isinstance(version, bool):
+            feed = self._feed.get(self._client, self._state_key)
+            change = feed.wait_past(version - 1, self.FEED_CATCH_UP_S)
+            if change is not None and change[1] is not None:
+                return unwrap_state(change[1].value), change[0]
+        return self.get_state()
 
     def _join_prefix(self, generation: str, round_: int) -> str:
         return f"{self._prefix}join/{generation}/{round_}/"
@@ -323,8 +356,9 @@ class EtcdBackend(StoreBackend):
                        for kv in self._client.get_prefix(prefix)})
 
     def close(self) -> None:
-        if self._feed is not None:
+        if self._owns_feed:
             self._feed.close()
 
     def clone(self) -> EtcdBackend:
-        return EtcdBackend(self._settings, self._client, self._lease)  # the client is thread-safe
+        # the client is thread-safe; the lease and the state watch are the agent's
+        return EtcdBackend(self._settings, self._client, self._lease, self._feed)

@@ -208,7 +208,7 @@ class Keeper:
             observed = sorted(nodes) if judging else [watcher] if watcher else []
             read = self._backend.keeper_read(self._node, self._presence.port, observed)
             if read.state_version != self._version:
-                current = self._backend.get_state()
+                current = self._backend.state_after(read.state_version)
                 state, token = (RunState.from_bytes(current[0]), current[1]) if current \
                     else (None, None)
                 self._state, self._version = (state, token), read.state_version

@@ -196,6 +196,10 @@ class MeasuredBackend(StoreBackend):
                        ) -> bool | tuple[bytes, Token]:
         return self._inner.wait_for_state(token, timeout, clock)  # waiting is no request time
 
+    def state_after(self, version: object | None) -> tuple[bytes, Token] | None:
+        with self._metrics.request("state_after"):
+            return self._inner.state_after(version)
+
     def join(self, generation: str, round_: int, node: str, entry: bytes) -> int:
         with self._metrics.request("join"):
             return self._inner.join(generation, round_, node, entry)

@@ -188,6 +188,10 @@ class MemoryBackend(StoreBackend):
                 gen, round_text = key[len(f"{self._prefix}store/"):].split("/")
                 if gen != generation or int(round_text) < keep_from_round:
                     del self.store.round_stores[key]
+            for key in [k for k in self.store.keys if k.startswith(f"{self._prefix}join/")]:
+                gen, round_text = key[len(f"{self._prefix}join/"):].split("/")[:2]
+                if gen != generation or int(round_text) < keep_from_round:
+                    del self.store.keys[key]  # the join keys of those rounds too, as etcd's
 
     def list_runs(self) -> list[str]:
         with self.store.lock:
