@@ -1,7 +1,9 @@
-"""``benchmarks/scale.py`` end to end at a tiny size: every backend gets its numbers.
+"""``benchmarks/scale.py`` end to end: every backend gets its numbers.
 
 The benchmark's own numbers are not asserted (they belong to the machine); this checks
-that it runs, measures both rounds on every backend and leaves no process behind.
+that it runs, measures both rounds on every backend and leaves no process behind. The
+etcd column is checked on the 64-agent run, which fills it anyway, so the tiny run takes
+the other two backends only (an etcd run of 4 agents more would prove nothing new).
 """
 
 from __future__ import annotations
@@ -41,24 +43,18 @@ def run_benchmark(*args: str, timeout: float) -> tuple[str, str]:
 
 
 @pytest.mark.timeout(300)
-def test_scale_benchmark_fills_its_table_for_every_backend() -> None:
-    if not etcd_available():
-        pytest.fail("etcd server binary not found: apt-get install -y etcd-server")
-    out, err = run_benchmark("--sizes", "4", "--reps", "1", "--backends", "etcd,embedded,stock",
+def test_scale_benchmark_fills_its_table_for_the_embedded_store_and_stock_c10d() -> None:
+    out, err = run_benchmark("--sizes", "4", "--reps", "1", "--backends", "embedded,stock",
                              "--cap", "60", "--steady", "2", timeout=240)
     rows = [line for line in out.splitlines() if line.startswith("| 4 |")]
     assert len(rows) == 1, out
     cells = [c.strip() for c in rows[0].strip().strip("|").split("|")][1:]
-    assert len(cells) == 3 * len(COLUMNS), rows[0]
+    assert len(cells) == 2 * len(COLUMNS), rows[0]
     by_backend = {b: dict(zip(COLUMNS, cells[i * 5:(i + 1) * 5], strict=True))
-                  for i, b in enumerate(["etcd", "embedded", "stock"])}
+                  for i, b in enumerate(["embedded", "stock"])}
     for backend, row in by_backend.items():
         assert re.fullmatch(NUMBER, row["round 1"]), (backend, row, err[-3000:])
         assert re.fullmatch(NUMBER, row["round 2"]), (backend, row, err[-3000:])
-    etcd = by_backend["etcd"]
-    assert re.fullmatch(r"\d+", etcd["requests"]) and int(etcd["requests"]) > 0, etcd
-    assert re.fullmatch(NUMBER, etcd["requests/s"]), etcd
-    assert re.fullmatch(rf"agents {NUMBER} \+ etcd {NUMBER}", etcd["CPU"]), etcd
     for backend in ("embedded", "stock"):
         row = by_backend[backend]
         assert row["requests"] == row["requests/s"] == "n/a", row
@@ -82,6 +78,9 @@ def test_64_agents_on_a_real_etcd_form_a_round_and_form_it_again_after_two_are_k
                      strict=True))
     assert re.fullmatch(NUMBER, cells["round 1"]), (cells, err[-3000:])
     assert re.fullmatch(NUMBER, cells["round 2"]), (cells, err[-3000:])
+    assert re.fullmatch(r"\d+", cells["requests"]) and int(cells["requests"]) > 0, cells
+    assert re.fullmatch(NUMBER, cells["requests/s"]), cells
+    assert re.fullmatch(rf"agents {NUMBER} \+ etcd {NUMBER}", cells["CPU"]), cells
     assert "3 processes: 1 x 62 threads + 2 victims, each alone" in out
     assert "--nnodes=N-2:N" in out and "a round of N-2" in out
     assert "with no node gone" not in out, out  # no agent restarted for nothing

@@ -76,6 +76,8 @@ NOTHING_LOST = {"join", "preempt", "notice", "notice-below-min", "notice-spread"
                 "terminate-rank0", *NO_RESTART}
 NOTICE_TO_TRAINING_S = 2.0
 """Issue 23: from a notice to one node to the first step of the smaller world."""
+ELECTION_S = 2.0
+"""Time enough for two etcd members to elect a new leader (about 1 s)."""
 
 
 @pytest.mark.parametrize("name", list(_cases()))
@@ -102,6 +104,14 @@ def test_scenario(name: str, tmp_path: Path, reference_cache: Path,
         writer_logs = "".join(p.read_text(errors="replace") for p in result.logs.values()
                               if p.exists())
         assert "could not write the snapshot" in writer_logs  # the fault did hit a snapshot
+    if name == "etcd-leader":
+        # the leader changes in the middle of training: the job still steps once a new
+        # leader is in office and before the old member is back
+        assert result.observation is not None
+        down = next(f.time for f in result.observation.faults if f.verb == "kill-etcd")
+        back = next(f.time for f in result.observation.faults if f.restore)
+        assert any(down + ELECTION_S < t < back for seg in verdict.segments
+                   for t in seg.step_times), explain(result)
     if name == "notice":
         assert result.observation is not None
         notice = result.observation.faults[0].time

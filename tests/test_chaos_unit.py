@@ -30,8 +30,9 @@ from elastic_ext.chaos.invariants import (
 from elastic_ext.chaos.netns import LabPlan, exec_prefix
 from elastic_ext.chaos.reference import cache_key, trainer_args
 from elastic_ext.chaos.report import summary
-from elastic_ext.chaos.runner import MetricsTail, RunResult, trigger_met
+from elastic_ext.chaos.runner import RunResult, trigger_met
 from elastic_ext.chaos.scenario import Action, ScenarioError, Trigger, parse
+from elastic_ext.jsonlines import JsonLinesTail
 from elastic_ext.local.job import Node
 from elastic_ext.local.processes import Proc
 from elastic_ext.rendezvous.events import EventKind, EventLog
@@ -146,15 +147,16 @@ def test_triggers_count_only_what_happened_after_the_previous_fault() -> None:
 
 def test_the_metrics_tail_waits_for_whole_lines(tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
-    tail = MetricsTail(path)
+    tail = JsonLinesTail(path)
     tail.poll()
     path.write_text(json.dumps(ev("start", 0, 0.0)) + "\n" + '{"event": "st')
     tail.poll()
     assert [e["event"] for e in tail.events] == ["start"]
     with open(path, "a") as f:
-        f.write('ep", "step": 1, "world_size": 2, "time": 1.0}\n')
-    tail.poll()
+        f.write('ep", "step": 1, "world_size": 2, "time": 1.0}\n[1, 2]\n')
+    assert [e["event"] for e in tail.poll()] == ["step"]  # only what is new; a list is no record
     assert [e["event"] for e in tail.events] == ["start", "step"]
+    assert tail.poll() == []
 
 
 # --------------------------------------------------------------------------- invariants

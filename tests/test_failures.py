@@ -1,25 +1,48 @@
-"""Fast failure handling with the bundled trainer: dead, hung and joining nodes.
+"""Fast failure handling with the bundled trainer: joining, dead, hung and lone nodes.
 
-Three local torchrun agents (``--nnodes=2:3``), one gloo worker each. Each test
-injects one fault and checks that training goes on in the new world and reaches
-``done``. Timings are measured by ``benchmarks/recovery.py``, not asserted here.
+Local torchrun agents (``--nnodes=2:3``), one gloo worker each, on the embedded store or
+etcd. Each test checks that training goes on in the new world and reaches ``done``.
+Timings are measured by ``benchmarks/recovery.py``, not asserted here.
 
-A death and a join on etcd are the chaos matrix's ``kill-rank0`` and ``join`` scenarios
-(``tests/test_chaos_matrix.py``, in CI), which check the same and more, so here they run
-on the embedded store only; the in-process branches of the handler and the keeper are in
-``tests/test_handler_inprocess.py``.
+- One job on the embedded store goes through a join, a death, and a death that leaves
+  the store's host alone below the minimum, then gets a replacement: a scale-up commits
+  first (the world of 3 resumes at the step the world of 2 stopped at), each death costs
+  at most the step in flight, the lone host forms no round of one and trains nothing
+  while it waits (seconds, longer than the last call that would close such a round),
+  and the round with the replacement resumes from the last step trained before the
+  death. Everyone left finishes with exit 0 and ``done`` at the last step. That job
+  (4 agents) replaces three that started 9 between them: a death, a join, and a
+  survivor below the minimum (on etcd, with a resume check that any step before the
+  death met).
+  A node alone below the minimum on etcd is ``tests/test_e2e_rendezvous.py``'s join
+  timeout test: it never gets a round.
+- A hung node (etcd) is dropped, then rejoins when it wakes.
+- The embedded store's host dies: the three agents (ranks 0, 1 and 2) exit with a clear
+  error. That job also proves what ``tests/test_e2e_rendezvous.py``'s plain run of three
+  agents on the embedded store did: they rendezvous with distinct ranks and train.
+
+A death and a join on etcd, with a directory per node and exactly-once data, are
+``tests/test_handoff_e2e.py``'s; the chaos matrix's ``kill-rank0`` and ``join``
+scenarios are not in its CI subset (``elastic_ext.chaos.matrix.CI``). The in-process
+branches of the handler and the keeper are in ``tests/test_handler_inprocess.py``.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.local.job import JobSpec, LocalJob, Node, wait_for_step
+from elastic_ext.local.processes import wait_until
+from elastic_ext.rendezvous.events import EventKind
 
 pytestmark = pytest.mark.slow
+
+LAST_CALL_S = 1.0  # the default last_call_timeout: how soon a round of one would close
 
 
 def trainer_spec(tmp: Path, *, steps: int, store: str = "etcd", nnodes: str = "2:3",
@@ -35,8 +58,12 @@ def metrics(tmp: Path) -> Path:
     return tmp / "metrics.jsonl"
 
 
+def events(tmp: Path, kind: str) -> list[dict[str, Any]]:
+    return [e for e in read_json_lines(metrics(tmp)) if e["event"] == kind]
+
+
 def done_event(tmp: Path) -> dict:
-    return [e for e in read_json_lines(metrics(tmp)) if e["event"] == "done"][-1]
+    return events(tmp, "done")[-1]
 
 
 def victim(job: LocalJob, *, rank0: bool) -> Node:
@@ -48,22 +75,77 @@ def victim(job: LocalJob, *, rank0: bool) -> Node:
     raise LookupError("no suitable victim")
 
 
+def wait_for_start(tmp: Path, *, after: float, world_size: int, timeout: float) -> dict[str, Any]:
+    """The first ``start`` event logged after ``after`` at ``world_size``: a new round's."""
+    def found() -> dict[str, Any] | None:
+        return next((e for e in events(tmp, "start")
+                     if e["time"] > after and e["world_size"] == world_size), None)
+    return wait_until(found, timeout, what=f"a round of world size {world_size}")
+
+
+def check_resumed(tmp: Path, start: dict[str, Any]) -> None:
+    """A round after a death lost at most the step in flight: it resumes from the last
+    step logged before it, or from the one after (trained everywhere, but not logged
+    yet when rank 0 died)."""
+    evs = read_json_lines(metrics(tmp))
+    last = max(e["step"] for e in evs[:evs.index(start)] if e["event"] == "step")
+    assert last <= start["resumed_from"] <= last + 1, (last, start)
+
+
+def kill(node: Node) -> float:
+    """SIGKILL ``node``; the time just before."""
+    at = time.time()
+    node.kill()
+    return at
+
+
 def finish_and_check(job: LocalJob, tmp: Path, survivors: list[Node], timeout: float = 120) -> None:
     codes = [n.proc.wait(timeout=timeout) for n in survivors]
     assert codes == [0] * len(survivors), [n.proc.output()[-3000:] for n in survivors]
-    steps = [e["step"] for e in read_json_lines(metrics(tmp)) if e["event"] == "step"]
+    steps = [e["step"] for e in events(tmp, "step")]
     assert done_event(tmp)["step"] == max(steps)
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("store", ["embedded"])  # on etcd: the chaos matrix's "kill-rank0"
-def test_a_dead_node_is_dropped_and_training_goes_on(tmp_path, store):
-    with LocalJob(trainer_spec(tmp_path, steps=120, store=store), tmp_path).start(3) as job:
-        wait_for_step(metrics(tmp_path), after=0, world_size=3, timeout=120)
-        dead = victim(job, rank0=False)
-        dead.kill()
-        wait_for_step(metrics(tmp_path), after=0, world_size=2, timeout=60)
-        finish_and_check(job, tmp_path, [n for n in job.nodes if n is not dead])
+@pytest.mark.timeout(300)
+def test_a_join_two_deaths_and_a_replacement_below_the_minimum_on_the_embedded_store(tmp_path):
+    # 300 steps: the newcomer (its torchrun and warm-start server take up to 10 s on a slow
+    # machine) must arrive while the job still trains
+    spec = trainer_spec(tmp_path, steps=300, store="embedded")
+    with LocalJob(spec, tmp_path).start(2) as job:
+        first = wait_for_step(metrics(tmp_path), after=0, world_size=2, timeout=120)
+        host = job.store_host()
+        assert host is not None  # never killed: the others cannot go on without the store
+
+        # a join: the scale-up restart commits a snapshot first, no step is trained twice
+        job.add_node()
+        joined = wait_for_step(metrics(tmp_path), after=first["time"], world_size=3, timeout=60)
+        starts = [e for e in events(tmp_path, "start") if e["world_size"] == 3]
+        assert starts[0]["resumed_from"] == joined["step"] - 1
+
+        # a death: the world of 2 trains on
+        killed_at = kill(victim(job, rank0=False))
+        start = wait_for_start(tmp_path, after=killed_at, world_size=2, timeout=90)
+        check_resumed(tmp_path, start)
+        wait_for_step(metrics(tmp_path), after=start["time"], world_size=2, timeout=60)
+
+        # the other death leaves the host alone, below the minimum: it waits in the
+        # rendezvous, and only then does a replacement start
+        killed_at = kill(next(n for n in job.nodes if n.alive() and n is not host))
+        alone = wait_until(lambda: next((e for e in host.events(EventKind.RESTART)
+                                         if e["time"] > killed_at), None),
+                           60, what="the host back in the rendezvous, alone")
+        replacement = job.add_node()
+        check_resumed(tmp_path, wait_for_start(tmp_path, after=killed_at, world_size=2,
+                                               timeout=90))
+        finish_and_check(job, tmp_path, [host, replacement])
+
+    # Alone, the host formed no round and trained nothing: its next round is the one with
+    # the replacement, and it waited for it longer than a round of one would have.
+    rejoined = next(e for e in host.events(EventKind.JOINED) if e["time"] > alone["time"])
+    assert rejoined["world_size"] == 2
+    assert rejoined["time"] - alone["time"] > LAST_CALL_S, (alone, rejoined)
+    assert all(e["world_size"] >= 2 for n in job.nodes for e in n.events(EventKind.JOINED))
+    assert {e["world_size"] for e in events(tmp_path, "step")} == {2, 3}
 
 
 @pytest.mark.timeout(240)
@@ -79,47 +161,14 @@ def test_a_hung_node_is_dropped_and_rejoins_when_it_wakes(tmp_path):
         finish_and_check(job, tmp_path, job.nodes)
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("store", ["embedded"])  # on etcd: the chaos matrix's "join"
-def test_a_node_started_mid_run_joins_the_training(tmp_path, store):
-    # 300 steps: the newcomer (its torchrun and warm-start server take up to 10 s on a slow
-    # machine) must arrive while the job still trains
-    with LocalJob(trainer_spec(tmp_path, steps=300, store=store), tmp_path).start(2) as job:
-        first = wait_for_step(metrics(tmp_path), after=0, world_size=2, timeout=120)
-        job.add_node()
-        joined = wait_for_step(metrics(tmp_path), after=first["time"], world_size=3, timeout=60)
-        starts = [e for e in read_json_lines(metrics(tmp_path))
-                  if e["event"] == "start" and e["world_size"] == 3]
-        # the scale-up restart commits a snapshot first: no step is trained twice
-        assert starts[0]["resumed_from"] == joined["step"] - 1
-        finish_and_check(job, tmp_path, job.nodes)
-
-
-@pytest.mark.timeout(240)
-def test_below_the_minimum_the_survivor_waits_and_a_replacement_resumes_from_the_snapshot(tmp_path):
-    spec = trainer_spec(tmp_path, steps=150, nnodes="2:3")
-    with LocalJob(spec, tmp_path).start(2) as job:
-        wait_for_step(metrics(tmp_path), after=0, world_size=2, timeout=120)
-        dead = victim(job, rank0=False)
-        snapshots_before = [e["step"] for e in read_json_lines(metrics(tmp_path))
-                            if e["event"] == "snapshot"]
-        dead.kill()
-        survivor = next(n for n in job.nodes if n is not dead)
-        replacement = job.add_node()
-        resumed = wait_for_step(metrics(tmp_path), after=0, world_size=2, timeout=90)
-        starts = [e for e in read_json_lines(metrics(tmp_path)) if e["event"] == "start"]
-        assert starts[-1]["resumed_from"] is None or starts[-1]["resumed_from"] >= max(
-            snapshots_before, default=0)
-        assert resumed
-        finish_and_check(job, tmp_path, [survivor, replacement])
-
-
 @pytest.mark.timeout(180)
 def test_survivors_exit_with_a_clear_error_when_the_embedded_store_host_dies(tmp_path):
     spec = trainer_spec(tmp_path, steps=100000, store="embedded",
                         conf="connect_timeout=5")
     with LocalJob(spec, tmp_path).start(3) as job:
         wait_for_step(metrics(tmp_path), after=0, world_size=3, timeout=120)
+        # three agents on the embedded store: distinct ranks, and they train
+        assert {n.group_rank() for n in job.nodes} == {0, 1, 2}
         host = job.store_host()
         assert host is not None
         host.kill()

@@ -35,12 +35,15 @@ DATASET_SIZE = 1200  # the example's
 @pytest.mark.timeout(560)
 def test_a_lightning_run_loses_no_step_to_rank0s_machine_dying_or_a_preemption(
         tmp_path: Path) -> None:
-    result = run_program(rank0_then_preempt(steps=130, preempt_at=80), "pl-rank0-preempt",
-                         EXAMPLE, tmp_path)
+    # 110 steps: the restarted job crosses the end of the first epoch (100 steps of 12
+    # samples)
+    result = run_program(rank0_then_preempt(steps=110), "pl-rank0-preempt", EXAMPLE, tmp_path)
     events = check_rank0_then_preempt(result, tmp_path)
     # Each step trained the global batch the uninterrupted order gives it, across the end
-    # of the first epoch (100 steps of 12 samples) too.
-    for event in (e for e in events if e["event"] == "step"):
+    # of the first epoch too.
+    steps = [e for e in events if e["event"] == "step"]
+    assert steps[-1]["step"] == 110 and steps[-1]["epoch"] == 1, steps[-1]
+    for event in steps:
         where = position_after(event["step"], 12, DATASET_SIZE)
         assert (event["epoch"], event["offset"]) == (where.epoch, where.offset), event
 

@@ -27,6 +27,10 @@ from tests.support.chaos import explain
 pytestmark = pytest.mark.slow
 
 NETNS_REASON = netns.unavailable()
+COLLECTIVE_TIMEOUT_S = 10
+"""The trainer's ``--collective-timeout`` for the cut-off node: how long the others' first
+collective waits for it. Not less: ``init_process_group`` waits as long for the workers of
+a round, and on a busy machine they start seconds apart."""
 
 
 def _events(result: RunResult, node: str) -> list[dict[str, object]]:
@@ -79,12 +83,12 @@ def test_a_node_its_peers_cannot_reach_is_left_out_and_the_others_train_on(
         tmp_path: Path) -> None:
     result = _play("""\
 nodes = 3
-steps = 250
+steps = 200
 snapshot-every = 10
 step-delay = 0.05
 rdzv-conf = last_call_timeout=5
-at step 30: cut peers of node other for 40s
-""", tmp_path, "--collective-timeout", "15")
+at step 30: cut peers of node other for 28s
+""", tmp_path, "--collective-timeout", str(COLLECTIVE_TIMEOUT_S))
     assert result.observation is not None and result.verdict is not None
     cut = next(f for f in result.observation.faults if f.verb == "cut-peers")
     node = cut.detail.split()[0]
@@ -103,7 +107,8 @@ at step 30: cut peers of node other for 40s
     assert worlds[0] == 3 and worlds[-1] == 2 and result.verdict.lost_steps <= 1, worlds
     # found and left out right after the first failed round, not after rounds of retries
     restart_after = [s.start_time for s in result.verdict.segments if s.world_size == 2][0]
-    assert restart_after - cut.time < 15 + 15, (restart_after - cut.time, explain(result))
+    assert restart_after - cut.time < COLLECTIVE_TIMEOUT_S + 15, (restart_after - cut.time,
+                                                                  explain(result))
 
 
 @pytest.mark.timeout(300)

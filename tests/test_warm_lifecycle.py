@@ -133,16 +133,25 @@ def steps_logged(metrics: Path) -> list[dict[str, Any]]:
     return [e for e in read_json_lines(metrics) if e.get("event") == "step"]
 
 
-# -- 1. the agent alone ------------------------------------------------------------------
+# -- 1. the agent alone; fork safety as the server sees it -----------------------------
 @pytest.mark.timeout(90)
-def test_sigkill_of_the_agent_alone_leaves_no_launcher_server_or_worker(
+def test_the_server_has_no_fork_hazard_and_sigkill_of_the_agent_leaves_nothing_behind(
         processes: ProcessSet, tmp_path: Path) -> None:
+    """One job for two claims: the server of a trainer job reports no fork hazard while
+    it serves, and a SIGKILLed agent takes its launchers, server and workers with it."""
     metrics = tmp_path / "metrics.jsonl"
     agent = processes.spawn("agent", torchrun(*trainer(metrics, steps=100000)), env=env(),
                             cwd=REPO)
     wait_event(metrics, lambda e: e.get("event") == "step", 60, agent, "a training step")
     assert_warm(agent, agent.pid, nproc=2)
     socket_path = Path(environ_of(launchers_of(agent, agent.pid)[0])[SOCKET_ENV])
+
+    facts = query_status(str(socket_path), 10)
+    assert facts is not None, f"the server at {socket_path} did not answer"
+    assert facts["hazards"] == [], facts
+    assert facts["cuda_initialized"] is False and facts["process_group"] is False, facts
+    assert facts["python_threads"] == [], facts
+    assert facts["threads"] <= facts["allowed_threads"], facts
 
     os.kill(agent.pid, signal.SIGKILL)
     killed = time.monotonic()
@@ -197,25 +206,7 @@ def test_a_crashed_server_costs_no_restart_and_the_next_workers_start_cold(
     assert len(cold) == 2 * len(restarts), out[-6000:]  # one line per worker start
 
 
-# -- 4. fork safety, as the server sees it -----------------------------------------------
-@pytest.mark.timeout(90)
-def test_the_server_of_a_trainer_job_has_no_fork_hazard(processes: ProcessSet,
-                                                        tmp_path: Path) -> None:
-    metrics = tmp_path / "metrics.jsonl"
-    agent = processes.spawn("agent", torchrun(*trainer(metrics, steps=100000)), env=env(),
-                            cwd=REPO)
-    wait_event(metrics, lambda e: e.get("event") == "step", 60, agent, "a training step")
-    assert_warm(agent, agent.pid, nproc=2)
-    socket_path = environ_of(launchers_of(agent, agent.pid)[0])[SOCKET_ENV]
-
-    facts = query_status(socket_path, 10)
-    assert facts is not None, f"the server at {socket_path} did not answer"
-    assert facts["hazards"] == [], facts
-    assert facts["cuda_initialized"] is False and facts["process_group"] is False, facts
-    assert facts["python_threads"] == [], facts
-    assert facts["threads"] <= facts["allowed_threads"], facts
-
-
+# -- 4. fork safety: a thread started at import ----------------------------------------
 THREAD_LIB = """\
     import threading
 

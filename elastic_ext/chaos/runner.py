@@ -13,7 +13,6 @@ started is killed and every namespace and mount removed before it returns.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -36,6 +35,7 @@ from elastic_ext.chaos.invariants import (
 )
 from elastic_ext.chaos.reference import ReferenceError, reference_sha, trainer_args
 from elastic_ext.chaos.scenario import Scenario, Trigger
+from elastic_ext.jsonlines import JsonLinesTail
 from elastic_ext.local.etcd import call_here
 from elastic_ext.local.job import JobSpec, LocalJob
 from elastic_ext.local.processes import Proc
@@ -101,32 +101,6 @@ def trigger_met(trigger: Trigger, events: Iterable[Mapping[str, Any]], since: fl
     return False
 
 
-class MetricsTail:
-    """Reads the metrics file incrementally; a line still being written waits for the next poll."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.events: list[dict[str, Any]] = []
-        self._offset = 0
-
-    def poll(self) -> None:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-        except FileNotFoundError:
-            return
-        end = data.rfind(b"\n")
-        if end < 0:
-            return
-        self._offset += end + 1
-        for line in data[:end].splitlines():
-            try:
-                self.events.append(json.loads(line))
-            except json.JSONDecodeError:
-                logger.warning("unreadable metrics line: %r", line[:200])
-
-
 # --------------------------------------------------------------------------- side effects
 def _describe_pid(pid: int, owner: str) -> str:
     try:
@@ -185,7 +159,7 @@ class ScenarioRun:
         self.workdir = options.workdir
         self.metrics = self.workdir / "metrics.jsonl"
         self.snapshot_dir = self.workdir / "snapshots"
-        self.tail = MetricsTail(self.metrics)
+        self.tail = JsonLinesTail(self.metrics)
         self.snapshots_seen: dict[int, float] = {}
         self.records: list[FaultRecord] = []
         self.errors: list[str] = []

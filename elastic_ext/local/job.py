@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastic_ext.jsonlines import read_json_lines
+from elastic_ext.jsonlines import JsonLinesTail, read_json_lines
 from elastic_ext.local.etcd import EtcdCluster, call_here, start_cluster
 from elastic_ext.local.processes import Proc, ProcessSet, environ_of, wait_until
 from elastic_ext.net import free_port
@@ -218,8 +218,10 @@ def _alive(pid: int) -> bool:
 def wait_for_step(metrics: Path, *, after: float, world_size: int, timeout: float,
                   poll: float = 0.05) -> dict[str, Any]:
     """The first ``step`` event logged after ``after`` (unix time) at ``world_size``."""
+    tail = JsonLinesTail(metrics)
+
     def found() -> dict[str, Any] | None:
-        for event in read_json_lines(metrics):
+        for event in tail.poll():
             if event.get("event") == "step" and event["time"] > after \
                     and event["world_size"] == world_size:
                 return event

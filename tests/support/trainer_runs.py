@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elastic_ext.jsonlines import read_json_lines
+from elastic_ext.jsonlines import JsonLinesTail, read_json_lines
 from elastic_ext.local.processes import Proc, ProcessSet, environ_of, wait_until
 
 PY = sys.executable
@@ -52,8 +52,10 @@ def wait_event(path: Path, predicate: Callable[[dict[str, Any]], bool], timeout:
                proc: Proc | None = None, what: str = "event") -> dict[str, Any]:
     """The first event matching ``predicate``; fails early, with the log, if ``proc`` ended
     first."""
+    tail = JsonLinesTail(path)
+
     def check() -> dict[str, Any] | None:
-        for event in read_json_lines(path):
+        for event in tail.poll():
             if predicate(event):
                 return event
         if proc is not None and proc.popen.poll() is not None:
