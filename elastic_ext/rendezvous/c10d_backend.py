@@ -275,10 +275,17 @@ class C10dBackend(StoreBackend):
         keys = self._run("list_keys", lambda: list_keys(self._tcp))
         return None if keys is None else [k for k in keys if k.startswith(self._key_root)]
 
+    def _delete(self, keys: list[str]) -> None:
+        """Delete keys named as the TCPStore names them (``_run_keys``)."""
+        def delete() -> None:
+            for key in keys:
+                self._tcp.delete_key(key)
+        self._run("delete_key", delete)
+
     def remove_run(self) -> None:
         listed = self._run_keys()
         if listed is not None:
-            self._run("delete_key", lambda: [self._tcp.delete_key(k) for k in listed])
+            self._delete(listed)
             return
         current = self.get_state()
         nodes: set[str] = set()
@@ -331,7 +338,7 @@ class C10dBackend(StoreBackend):
                     or (round_text.isdigit() and int(round_text) < keep_from_round)):
                 stale.append(key)
         if stale:
-            self._run("delete_key", lambda: [self._tcp.delete_key(k) for k in stale])
+            self._delete(stale)
 
     def list_runs(self) -> list[str]:
         keys = self._run("list_keys", lambda: list_keys(self._tcp))

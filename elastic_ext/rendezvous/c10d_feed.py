@@ -86,7 +86,6 @@ class WriteFeed:
         self._poke = poke
         self._changed = threading.Condition()
         self._count: int | None = None
-        self._waiting_on: str | None = None  # the key the thread waits on now
         self._broken = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="etcd-ext-state-wait",
@@ -101,10 +100,9 @@ class WriteFeed:
                 count = read_count(store, STATE_SEQ)
                 with self._changed:
                     self._count = count
-                    self._waiting_on = f"{CHANGED}{count + 1}"
                     self._changed.notify_all()
                 try:
-                    store.wait([self._waiting_on], timedelta(seconds=self.WAIT_S))
+                    store.wait([f"{CHANGED}{count + 1}"], timedelta(seconds=self.WAIT_S))
                 except DistStoreError as exc:
                     if "timeout" not in str(exc):
                         raise
@@ -133,8 +131,9 @@ class WriteFeed:
         deadline = time.monotonic() + self.JOIN_S
         while self._thread.is_alive() and time.monotonic() < deadline:
             with self._changed:
-                key = self._waiting_on
-            if key is not None:
+                count = self._count  # the thread waits on the key of the write after it
+            if count is not None:
+                key = f"{CHANGED}{count + 1}"
                 try:
                     self._poke.set(key, b"")
                     self._poke.delete_key(key)
