@@ -33,13 +33,11 @@ def real_part_started_by(argv: list[str]) -> str | None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that asks for a real etcd is marked ``etcd`` (the fast lane leaves it out).
-    Tests that build network namespaces (fixed names, one lab at a time) share one xdist
-    group, so that ``-n 2 --dist loadgroup`` runs them one after another."""
+    Labs of network namespaces may run side by side: each takes its own /24 and names under
+    a lock (``NetnsLab.allocate``, ``SlurmLab.up``)."""
     for item in items:
         if {"etcd", "etcd_cluster"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.etcd)
-        if item.get_closest_marker("slurm") or item.get_closest_marker("netns"):
-            item.add_marker(pytest.mark.xdist_group("namespaces"))
 
 
 @pytest.fixture(autouse=True)

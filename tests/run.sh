@@ -55,9 +55,9 @@ run_phase() {
 
 # tests/conftest.py fails a fast-lane test that starts a real part (so the lane, and this
 # two-worker phase, cannot slowly grow slow or load-sensitive)
-ELASTIC_EXT_FAST_LANE=1 run_phase -n 2 --dist loadgroup -m "$FAST_LANE" "$@" tests
+ELASTIC_EXT_FAST_LANE=1 run_phase -n 2 --dist load -m "$FAST_LANE" "$@" tests
 if [ "$fast" = 0 ]; then
-  run_phase -n 2 --dist loadgroup --durations=25 -m "$REAL_PARTS" "$@" tests
+  run_phase -n 2 --dist load --durations=25 -m "$REAL_PARTS" "$@" tests
 fi
 if [ "$phases_with_tests" = 0 ]; then
   echo "no test ran" >&2
