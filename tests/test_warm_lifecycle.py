@@ -1,7 +1,11 @@
 """The warm-start server's lifecycle with real torchrun agents: nothing outlives a killed
-agent or node, a crashed server costs the job nothing but its warm starts, a server
-that is not safe to fork says why and is not used, and a plain DDP script that knows
-nothing of elastic-ext stops paying for its peers' deaths under the launcher.
+agent, a crashed server costs the job nothing but its warm starts, a server that is not
+safe to fork says why and is not used, and a plain DDP script that knows nothing of
+elastic-ext stops paying for its peers' deaths under the launcher.
+
+A whole node killed the chaos way, its server and worker gone within a second, is a
+check in ``tests/test_failures.py``'s embedded-store job, which kills such a node anyway
+(it had a job of its own here).
 
 The contract of a single warm worker (exit statuses, signals, streams, environment)
 is ``tests/test_warm_start.py``'s; the pieces without processes are in
@@ -23,8 +27,8 @@ from typing import Any
 import pytest
 
 from elastic_ext.jsonlines import read_json_lines
-from elastic_ext.local.job import Host, JobSpec, LocalJob, Node, wait_for_step
-from elastic_ext.local.processes import Proc, ProcessSet, environ_of, wait_until
+from elastic_ext.local.job import Host, JobSpec, LocalJob, Node
+from elastic_ext.local.processes import ProcessSet, environ_of, wait_until
 from elastic_ext.net import free_port
 from elastic_ext.rendezvous.events import EventKind
 from elastic_ext.warm import SOCKET_ENV
@@ -32,85 +36,12 @@ from elastic_ext.warm.agent import WarmStartServer
 from elastic_ext.warm.status import query_status
 from elastic_ext.warm.target import Target
 from tests.support.trainer_runs import env, finish, wait_event
+from tests.support.warm_procs import GONE_WITHIN_S, assert_gone_within, assert_warm, launchers_of
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).parents[1]
 PLAIN_DDP = REPO / "tests" / "support" / "plain_ddp.py"
-SERVER_MODULE = "elastic_ext.warm.server"
-GONE_WITHIN_S = 1.0
-"""How long the processes of a killed agent or node may outlive it."""
-
-
-# -- processes ---------------------------------------------------------------------------
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, parent pid) of ``pid``; None once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[0], int(fields[1])
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-    except OSError:
-        return "(gone)"
-
-
-def live_children(proc: Proc, parent: int) -> list[int]:
-    """The live (not zombie) processes of ``proc``'s tag whose parent is ``parent``."""
-    found = []
-    for pid in proc.pids():
-        stat = _stat(pid)
-        if stat is not None and stat[0] != "Z" and stat[1] == parent:
-            found.append(pid)
-    return found
-
-
-def server_of(proc: Proc, agent: int) -> int:
-    """The warm-start server the agent ``agent`` started."""
-    def look() -> int | None:
-        return next((pid for pid in live_children(proc, agent)
-                     if SERVER_MODULE in cmdline(pid)), None)
-    return wait_until(look, 30, what=f"the warm-start server of agent {agent}")
-
-
-def launchers_of(proc: Proc, agent: int) -> list[int]:
-    """The agent's workers as torchrun sees them: its children that torchrun gave a RANK."""
-    return [pid for pid in live_children(proc, agent) if "RANK" in environ_of(pid)]
-
-
-def training_pids(output: str) -> set[int]:
-    """The pids the bundled trainer's ranks logged at their start."""
-    return {int(pid) for pid in re.findall(r"rank \d+/\d+ pid (\d+) starting", output)}
-
-
-def assert_warm(proc: Proc, agent: int, nproc: int) -> int:
-    """Check that the agent's ``nproc`` training processes were forked by its server (not
-    started cold by their launchers); returns the server's pid."""
-    server = server_of(proc, agent)
-    workers = wait_until(lambda: (lambda found: found if len(found) == nproc else None)(
-        live_children(proc, server)), 30, what=f"{nproc} workers forked by server {server}")
-    assert len(launchers_of(proc, agent)) == nproc, proc.output()[-4000:]
-    training = wait_until(lambda: training_pids(proc.output()) & set(workers) or None, 30,
-                          what="the trainer's start lines")
-    assert training == set(workers), (training, workers)
-    return server
-
-
-def assert_gone_within(proc: Proc, seconds: float, since: float) -> None:
-    """Every process of ``proc``'s tag is gone ``seconds`` after ``since`` (monotonic)."""
-    try:
-        wait_until(lambda: not proc.pids(), max(0.0, since + seconds - time.monotonic()), 0.01,
-                   f"the processes of {proc.name} to end")
-    except TimeoutError:
-        left = {pid: cmdline(pid)[:160] for pid in proc.pids()}
-        raise AssertionError(f"{len(left)} process(es) of {proc.name} still there "
-                             f"{seconds}s after the kill: {left}") from None
-
-
 def torchrun(*command: str, nproc: int = 2, max_restarts: int = 0) -> list[str]:
     """One etcd-ext agent on its embedded store, running ``command`` (after ``-m``/script)."""
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
@@ -157,28 +88,6 @@ def test_the_server_has_no_fork_hazard_and_sigkill_of_the_agent_leaves_nothing_b
     killed = time.monotonic()
     assert_gone_within(agent, GONE_WITHIN_S, killed)
     assert not socket_path.parent.exists(), "the server left its socket's directory behind"
-
-
-# -- 2. a whole node, the chaos way ------------------------------------------------------
-@pytest.mark.timeout(120)
-def test_a_node_killed_the_chaos_way_leaves_nothing_and_the_other_node_trains_on(
-        tmp_path: Path) -> None:
-    metrics = tmp_path / "metrics.jsonl"
-    spec = JobSpec(command=trainer(metrics, steps=100000, snapshots=tmp_path / "snapshots"),
-                   store="embedded", nnodes="1:2", nproc_per_node=1, run_id="warm-node-kill",
-                   max_restarts=0)
-    with LocalJob(spec, tmp_path).start(2) as job:
-        wait_for_step(metrics, after=0, world_size=2, timeout=60)
-        victim = next(n for n in job.nodes if not n.hosts_store())  # the store must live
-        survivor = job.other_node(victim)
-        assert_warm(victim.proc, victim.proc.pid, nproc=1)
-
-        killed_at = time.time()
-        victim.kill()
-        assert_gone_within(victim.proc, GONE_WITHIN_S, time.monotonic())
-        # With --max-restarts=0: the survivor's restart was a membership change, not charged.
-        wait_for_step(metrics, after=killed_at, world_size=1, timeout=60)
-        assert survivor.alive()
 
 
 # -- 3. the server crashes ---------------------------------------------------------------
