@@ -12,9 +12,10 @@ import pytest
 
 from elastic_ext.local.processes import ProcessSet
 
-FAST_LANE_ENV = "ELASTIC_EXT_FAST_LANE"
-"""Set by ``tests/run.sh --fast``: a test that starts a real part anyway fails, naming the
-marker that keeps it out of the fast lane (so the lane cannot slowly grow slow)."""
+REAL_PART_MARKERS = ("slow", "etcd", "slurm", "netns", "chaos_full")
+"""A test with none of these is in the fast lane (``tests/run.sh --fast``); if it starts
+a real part anyway, it fails, naming the marker that moves it out, in every run (so the
+lane cannot slowly grow slow)."""
 
 
 def real_part_started_by(argv: list[str]) -> str | None:
@@ -43,7 +44,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(autouse=True)
 def _fast_lane_starts_no_real_parts(request: pytest.FixtureRequest,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    if os.environ.get(FAST_LANE_ENV) != "1":
+    if any(request.node.get_closest_marker(name) for name in REAL_PART_MARKERS):
         return
     original = subprocess.Popen.__init__
 

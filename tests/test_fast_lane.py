@@ -1,5 +1,6 @@
-"""The fast lane's guard: a test left in ``tests/run.sh --fast`` that starts a torchrun agent,
-an etcd server or a network namespace fails, naming the marker that moves it out."""
+"""The fast lane's guard: a test without a real-part marker (so in ``tests/run.sh --fast``)
+that starts a torchrun agent, an etcd server or a network namespace fails, in any run,
+naming the marker that moves it out; a marked test may."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST_LANE_ENV, real_part_started_by
+from tests.conftest import real_part_started_by
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,13 +40,21 @@ def test_a_fast_lane_test_that_starts_an_etcd_server_fails(tmp_path: Path) -> No
     script.write_text(textwrap.dedent("""
         import subprocess
 
+        import pytest
+
         def test_sneaky():
+            subprocess.run(["etcd", "--version"], capture_output=True)
+
+        @pytest.mark.etcd
+        def test_marked():
             subprocess.run(["etcd", "--version"], capture_output=True)
     """))
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
-         "--rootdir", str(tmp_path), str(script)],
-        cwd=ROOT, env={**os.environ, FAST_LANE_ENV: "1"}, capture_output=True, text=True,
-        timeout=120)
+         "--rootdir", str(tmp_path), "-W", "ignore::pytest.PytestUnknownMarkWarning",
+         str(script)],
+        cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=120)
     assert run.returncode == 1, run.stdout + run.stderr
-    assert "is in the fast lane but starts an etcd server (mark it etcd)" in run.stdout
+    assert "test_sneaky.py::test_sneaky is in the fast lane but starts an etcd server " \
+        "(mark it etcd)" in run.stdout
+    assert "1 failed, 1 passed" in run.stdout, run.stdout
