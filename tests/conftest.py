@@ -33,12 +33,17 @@ def real_part_started_by(argv: list[str]) -> str | None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test that asks for a real etcd is marked ``etcd`` (the fast lane leaves it out).
-    Labs of network namespaces may run side by side: each takes its own /24 and names under
-    a lock (``NetnsLab.allocate``, ``SlurmLab.up``)."""
+    """A test that asks for a real etcd is marked ``etcd`` (the fast lane leaves it out), and
+    the tests with a real-part marker run first. Labs of network namespaces may run side by
+    side: each takes its own /24 and names under a lock (``NetnsLab.allocate``,
+    ``SlurmLab.up``)."""
     for item in items:
         if {"etcd", "etcd_cluster"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.etcd)
+    # The tests that start real parts first, so that on two workers the fast ones fill
+    # the end instead of one slow test running on alone (a stable sort: files stay in order).
+    items.sort(key=lambda item: not any(item.get_closest_marker(name)
+                                        for name in REAL_PART_MARKERS))
 
 
 @pytest.fixture(autouse=True)
