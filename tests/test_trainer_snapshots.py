@@ -24,27 +24,28 @@ def _args(snaps: Path, metrics: Path, *extra: str) -> list[str]:
 @pytest.mark.timeout(120)
 def test_damaged_newest_snapshot_falls_back_and_another_model_is_refused(
         processes: ProcessSet, tmp_path: Path) -> None:
+    """The newest snapshot corrupt and the one before it truncated: one resumed run skips
+    both (each logged by name, with what is wrong) and continues from the one before them."""
     snaps, metrics = tmp_path / "snaps", tmp_path / "m.jsonl"
     run_to_end(processes, "first", _args(snaps, metrics), timeout=60)
     uninterrupted = of(read_json_lines(metrics), "done")[-1]["params_sha256"]
+    assert sorted(e["step"] for e in of(read_json_lines(metrics), "snapshot")) == [10, 20, 30]
 
     # Corrupt: one flipped byte in the middle of the newest payload.
     newest = snaps / payload_name(30)
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0x01
     newest.write_bytes(bytes(data))
-    second = run_to_end(processes, "corrupt", _args(snaps, metrics), timeout=60)
-    assert of(read_json_lines(metrics), "start")[-1]["resumed_from"] == 20
-    assert f"skipping snapshot {snaps / manifest_name(30)}" in second.output()
-    assert of(read_json_lines(metrics), "done")[-1]["params_sha256"] == uninterrupted
-
-    # Truncated: the newest payload (rewritten by the run above) cut short.
-    with open(snaps / payload_name(30), "r+b") as f:
+    # Truncated: the payload before it cut short.
+    with open(snaps / payload_name(20), "r+b") as f:
         f.truncate(1000)
-    third = run_to_end(processes, "truncated", _args(snaps, metrics), timeout=60)
-    assert of(read_json_lines(metrics), "start")[-1]["resumed_from"] == 20
-    assert f"skipping snapshot {snaps / manifest_name(30)}" in third.output()
-    assert "truncated" in third.output()
+    resumed = run_to_end(processes, "damaged", _args(snaps, metrics), timeout=60)
+    assert of(read_json_lines(metrics), "start")[-1]["resumed_from"] == 10
+    skipped = {step: [line for line in resumed.output().splitlines()
+                      if f"skipping snapshot {snaps / manifest_name(step)}" in line]
+               for step in (30, 20)}
+    assert len(skipped[30]) == 1 and "corrupt" in skipped[30][0], resumed.output()[-4000:]
+    assert len(skipped[20]) == 1 and "truncated" in skipped[20][0], resumed.output()[-4000:]
     assert of(read_json_lines(metrics), "done")[-1]["params_sha256"] == uninterrupted
 
     # Another model: refused with a clear error, nothing trained, snapshots untouched.

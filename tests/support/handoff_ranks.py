@@ -1,9 +1,14 @@
-"""One rank of a hand-off test: hold what the test says, restore, print what it got.
+"""One rank of the hand-off tests: for each case, hold what it says, restore, print what it got.
 
-argv: a JSON object ``{"memory": [step, value] | null, "disk": [step, value] | null}``
-for this rank, then its node-memory directory and its snapshot directory (each rank has
-its own: nothing is shared). Prints one JSON line: the restored step, source, bytes and
-the value every parameter now holds.
+argv: a JSON list of this rank's cases, each ``{"case": NAME, "memory": [step, value] | null,
+"disk": [step, value] | null}`` plus, optionally, ``"chunk": bytes`` (move the hand-off in
+chunks of that size and count the collectives) or ``"rng": step`` (see ``rng_round``); then
+the root directory, under which each case has this rank's own node-memory directory
+``NAME/mem<rank>`` and snapshot directory ``NAME/disk<rank>`` (nothing shared, between ranks
+or cases). The cases run in order in one process group, so that torch is imported once for
+all of them (seconds of CPU, where a case takes milliseconds). Each case prints ``=== case
+NAME`` first, so that its log lines can be told apart, then one JSON line: the restored step,
+source, bytes and the value every parameter now holds.
 """
 
 from __future__ import annotations
@@ -12,12 +17,21 @@ import datetime
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from elastic_ext.snapshot import LocalCopies, Snapshotter, handoff
+
+CASE_MARK = "=== case "
+"""Starts the line each case prints first (``tests/test_handoff_ranks.py`` splits logs on it)."""
+
+_CHUNK_BYTES = handoff.CHUNK_BYTES
+_WATCHED = ("broadcast", "send", "recv")
 
 
 def model_holding(value: float) -> torch.nn.Linear:
@@ -28,44 +42,51 @@ def model_holding(value: float) -> torch.nn.Linear:
     return model
 
 
-def watch_transfers(chunk: int) -> dict[str, int]:
-    """Make the hand-off move ``chunk`` bytes at a time and count what each rank's
-    collectives move (the largest tensor, the calls): filled in as they happen."""
+@contextmanager
+def transfers_watched(chunk: int | None) -> Iterator[dict[str, int] | None]:
+    """With ``chunk``: make the hand-off move ``chunk`` bytes at a time and count what this
+    rank's collectives move (the largest tensor, the calls), filled in as they happen; put
+    both back afterwards, so the next case moves and counts as usual. None without."""
+    if chunk is None:
+        yield None
+        return
     moved = {"largest": 0, "calls": 0}
+    originals = {name: getattr(dist, name) for name in _WATCHED}
     handoff.CHUNK_BYTES = chunk
-    for name in ("broadcast", "send", "recv"):
-        original = getattr(dist, name)
-
+    for name, original in originals.items():
         def counting(tensor: torch.Tensor, *args: object, _original: object = original,
                      **kwargs: object) -> object:
             moved["largest"] = max(moved["largest"], tensor.numel() * tensor.element_size())
             moved["calls"] += 1
             return _original(tensor, *args, **kwargs)  # type: ignore[operator]
         setattr(dist, name, counting)
-    return moved
+    try:
+        yield moved
+    finally:
+        handoff.CHUNK_BYTES = _CHUNK_BYTES
+        for name, original in originals.items():
+            setattr(dist, name, original)
 
 
-def rng_round(snapshots: Snapshotter, step: int) -> None:
-    """Per-rank RNG: step > 0 commits with a seed of its own on every rank and prints the
-    draw that follows; step 0 restores (after a foreign seed) and prints the next draw."""
+def rng_round(snapshots: Snapshotter, step: int) -> dict[str, Any]:
+    """Per-rank RNG. step > 0: commit at ``step`` with a seed of its own on every rank and
+    note the draw that follows (``committed``). Then, and alone for step 0: a foreign seed,
+    restore, and the next draw (``draw``): the committed one again if this rank got its own
+    state back."""
     rank = dist.get_rank()
+    result: dict[str, Any] = {"rank": rank}
     if step > 0:
         torch.manual_seed(100 + rank)
         snapshots.commit_now(step, {"model": model_holding(1.0)})
-        draw = torch.rand(2).tolist()
-    else:
-        torch.manual_seed(999)
-        snapshots.restore({"model": model_holding(0.0)})
-        draw = torch.rand(2).tolist()
-    print(json.dumps({"rank": rank, "draw": draw}), flush=True)
-    os._exit(0)
+        result["committed"] = torch.rand(2).tolist()
+    torch.manual_seed(999)
+    snapshots.restore({"model": model_holding(0.0)})
+    result["draw"] = torch.rand(2).tolist()
+    return result
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
-    memory_dir, disk_dir = Path(sys.argv[2]), Path(sys.argv[3])
+def run_case(spec: dict[str, Any], memory_dir: Path, disk_dir: Path) -> dict[str, Any]:
     memory_dir.mkdir(parents=True, exist_ok=True)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     if spec["disk"] is not None:  # as if this node's rank 0 had written it earlier
         step, value = spec["disk"]
         writer = Snapshotter(disk_dir, local=None, capture_rng_states=False)  # rank 0 alone
@@ -73,23 +94,38 @@ def main() -> None:
         writer.directory.mkdir(parents=True, exist_ok=True)  # type: ignore[union-attr]
         writer.commit(step, {"model": model_holding(value), "data": {"step": step}}).result()
         writer.close()
-    moved = watch_transfers(spec["chunk"]) if spec.get("chunk") else None
-    snapshots = Snapshotter(disk_dir, local=LocalCopies(memory_dir))
-    if spec.get("rng") is not None:
-        rng_round(snapshots, spec["rng"])
-    if spec["memory"] is not None:
-        step, value = spec["memory"]
-        snapshots.keep_local(step, {"model": model_holding(value), "data": {"step": step}})
-    dist.barrier()
-    model = model_holding(-1.0)
-    restored = snapshots.restore({"model": model})
+    with transfers_watched(spec.get("chunk")) as moved:
+        snapshots = Snapshotter(disk_dir, local=LocalCopies(memory_dir))
+        try:
+            if spec.get("rng") is not None:
+                return rng_round(snapshots, spec["rng"])
+            if spec["memory"] is not None:
+                step, value = spec["memory"]
+                snapshots.keep_local(step, {"model": model_holding(value), "data": {"step": step}})
+            dist.barrier()
+            model = model_holding(-1.0)
+            restored = snapshots.restore({"model": model})
+        finally:
+            snapshots.close()
     values = sorted({float(v) for p in model.parameters() for v in p.detach().flatten()})
-    print(json.dumps({"rank": dist.get_rank(),
-                      "step": restored.step if restored else None,
-                      "source": restored.source if restored else None,
-                      "data": restored.state.get("data") if restored else None,
-                      "bytes": restored.bytes if restored else 0, "values": values,
-                      "moved": moved}), flush=True)
+    return {"rank": dist.get_rank(),
+            "step": restored.step if restored else None,
+            "source": restored.source if restored else None,
+            "data": restored.state.get("data") if restored else None,
+            "bytes": restored.bytes if restored else 0, "values": values,
+            "moved": moved}
+
+
+def main() -> None:
+    cases = json.loads(sys.argv[1])
+    root = Path(sys.argv[2])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    rank = dist.get_rank()
+    for spec in cases:
+        name = spec["case"]
+        print(f"{CASE_MARK}{name}", flush=True)
+        result = run_case(spec, root / name / f"mem{rank}", root / name / f"disk{rank}")
+        print(json.dumps({**result, "case": name}), flush=True)
     os._exit(0)  # no interpreter teardown: freeing a gloo group at exit can abort (torch 2.13)
 
 
