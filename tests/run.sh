@@ -40,10 +40,12 @@ python3 -m mypy
 # tests/conftest.py fails a test without a real-part marker that starts a real part anyway
 # (so the fast lane cannot slowly grow slow or load-sensitive).
 if [ "$fast" = 1 ]; then
-  selection="not slow and not etcd and not slurm and not netns and not chaos_full"
-else
-  # one run on two workers: the fast tests fill the gaps the slow ones leave
-  selection="not chaos_full"
+  exec python3 -m pytest -q -p no:cacheprovider -n 2 --durations=10 \
+    -m "not slow and not etcd and not slurm and not netns and not chaos_full" "$@" tests
 fi
-exec python3 -m pytest -q -p no:cacheprovider -n 2 --dist load --durations=25 -m "$selection" \
-  "$@" tests
+# One run on two workers. tests/conftest.py puts the tests that start real parts first;
+# --maxschedchunk=1 hands out one test at a time (xdist's default would give one worker
+# the first quarter of the collection, every slow test, at once), so the slow ones go to
+# whichever worker is free and the fast ones fill the end.
+exec python3 -m pytest -q -p no:cacheprovider -n 2 --dist load --maxschedchunk=1 \
+  --durations=25 -m "not chaos_full" "$@" tests
