@@ -2,7 +2,7 @@
 # The test command: installs what the tests need (CPU torch, the package, an etcd
 # server) on a fresh machine, runs ruff and mypy, then the whole suite.
 #
-#   bash tests/run.sh            the whole suite (what CI runs), on two workers
+#   bash tests/run.sh            the whole suite (what CI runs), on three workers
 #   bash tests/run.sh --fast     ruff, mypy and every test that starts no torchrun agent,
 #                                etcd server or network namespace, on two workers
 # Further arguments go to pytest (e.g. -k NAME, or a test file).
@@ -43,9 +43,12 @@ if [ "$fast" = 1 ]; then
   exec python3 -m pytest -q -p no:cacheprovider -n 2 --durations=10 \
     -m "not slow and not etcd and not slurm and not netns and not chaos_full" "$@" tests
 fi
-# One run on two workers. tests/conftest.py puts the tests that start real parts first;
-# --maxschedchunk=1 hands out one test at a time (xdist's default would give one worker
-# the first quarter of the collection, every slow test, at once), so the slow ones go to
-# whichever worker is free and the fast ones fill the end.
-exec python3 -m pytest -q -p no:cacheprovider -n 2 --dist load --maxschedchunk=1 \
+# One run on three workers, on two cores: on two, the cores were idle a good part of the
+# time (tests wait on timeouts and on training steps); on three they are busy. The join
+# tests leave room for a newcomer's start on a loaded machine. tests/conftest.py puts the
+# tests that start real parts first; --maxschedchunk=1 hands out one test at a time
+# (xdist's default would give one worker the first quarter of the collection, every slow
+# test, at once), so the slow ones go to whichever worker is free and the fast ones fill
+# the end.
+exec python3 -m pytest -q -p no:cacheprovider -n 3 --dist load --maxschedchunk=1 \
   --durations=25 -m "not chaos_full" "$@" tests

@@ -115,9 +115,9 @@ def finish_and_check(job: LocalJob, tmp: Path, survivors: list[Node], timeout: f
 
 @pytest.mark.timeout(300)
 def test_a_join_two_deaths_and_a_replacement_below_the_minimum_on_the_embedded_store(tmp_path):
-    # 300 steps: the newcomer (its torchrun and warm-start server take up to 10 s on a slow
-    # machine) must arrive while the job still trains
-    spec = trainer_spec(tmp_path, steps=300, store="embedded", max_restarts=0)
+    # 450 steps: the newcomer must arrive while the job still trains (its torchrun and
+    # warm-start server joined at step 197 on the suite's three workers)
+    spec = trainer_spec(tmp_path, steps=450, store="embedded", max_restarts=0)
     with LocalJob(spec, tmp_path).start(2) as job:
         first = wait_for_step(metrics(tmp_path), after=0, world_size=2, timeout=120)
         host = job.store_host()

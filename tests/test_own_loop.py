@@ -33,7 +33,7 @@ JOIN_KILL_PREEMPT = """\
 nodes = 2
 etcd-members = 1
 max-restarts = 0
-steps = 500
+steps = 700
 snapshot-every = 10
 step-delay = 0.05
 timeout = 300
@@ -43,9 +43,9 @@ when recovered: preempt all
 when stopped: start all
 """
 """The newcomer asks to join once its warm-start server is ready: about 17 s, 145 steps,
-with another test running on this 2-core machine, and 40 s once when the other test was
-a Lightning run (at 350 steps the job had ended by then); 470 steps are left when it
-starts.
+with another test running on this 2-core machine; 40 s once when the other test was a
+Lightning run, and step 355 (of 500 then) on the suite's three workers. 670 steps are
+left when it starts.
 Each fault waits for the previous one to have taken effect. The default last call (1 s)
 will do: two nodes, the minimum, start the job and the restart (a round cannot close
 before both are in, and a longer last call would only be waited out), and the newcomer
