@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if {"etcd", "etcd_cluster"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.etcd)
-    # The tests that start real parts first, so that on two workers the fast ones fill
+    # The tests that start real parts first, so that on xdist's workers the fast ones fill
     # the end instead of one slow test running on alone (a stable sort: files stay in order).
     items.sort(key=lambda item: not any(item.get_closest_marker(name)
                                         for name in REAL_PART_MARKERS))
