@@ -65,17 +65,22 @@ def connect(endpoint: str, run_id: str, conf: Mapping[str, str]) -> tuple[Settin
 
 
 def describe(state: RunState | None, beats: Mapping[str, bytes | None], now: float,
-             snapshot_step: int | None) -> dict[str, Any]:
-    """The status report as data. Pure, so the text and JSON views agree."""
+             snapshot_step: int | None, beats_expire: bool = False) -> dict[str, Any]:
+    """The status report as data. Pure, so the text and JSON views agree. Where heartbeat
+    keys expire (etcd's leases, ``StoreBackend.heartbeats_expire``) a key's value is as
+    old as the agent's announcement, so its age says nothing: ``lease_held`` instead, and
+    no ``heartbeat_age_s``."""
     if state is None:
         return {"exists": False, "newest_snapshot_step": snapshot_step}
 
     def node(name: str) -> dict[str, Any]:
         info = state.members.get(name) or state.waiting.get(name)
         beat = parse_beat(beats.get(name))
+        held = beats_expire and beat is not None
         return {"node": name, "address": f"{info.addr}:{info.port}" if info else None,
-                "heartbeat_age_s": None if beat is None else round(max(0.0, now - beat[1]), 1),
-                "left": beats.get(name) == LEFT}
+                "heartbeat_age_s": None if beat is None or held
+                else round(max(0.0, now - beat[1]), 1),
+                "lease_held": held, "left": beats.get(name) == LEFT}
 
     members = list(state.order) if state.phase is Phase.CLOSED else list(state.members)
     left = None if state.max_restarts is None else max(0, state.max_restarts - state.restarts)
@@ -124,6 +129,8 @@ def render(report: dict[str, Any], run_id: str, where: str) -> str:
     def age(n: dict[str, Any]) -> str:
         if n["left"]:
             return "left"
+        if n.get("lease_held"):
+            return "lease held"
         return "none" if n["heartbeat_age_s"] is None else f"{n['heartbeat_age_s']:.1f}s ago"
     for n in report["members"]:
         rank = "-" if n["rank"] is None else str(n["rank"])
@@ -158,7 +165,7 @@ def read_report(backend: StoreBackend, snapshot_dir: Path | None) -> dict[str, A
 
         manifest = newest_valid(snapshot_dir)
         snapshot_step = manifest.step if manifest else None
-    return describe(state, beats, time.time(), snapshot_step)
+    return describe(state, beats, time.time(), snapshot_step, backend.heartbeats_expire)
 
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:

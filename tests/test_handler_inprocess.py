@@ -41,6 +41,7 @@ from elastic_ext.rendezvous.errors import (
     StoreUnavailableError,
 )
 from elastic_ext.rendezvous.handler import EtcdExtRendezvousHandler
+from elastic_ext.rendezvous.join_session import OLD_ROUND_GRACE_S
 from elastic_ext.rendezvous.keeper import Keeper
 from elastic_ext.rendezvous.liveness import Verdict
 from elastic_ext.rendezvous.presence import PresenceListener
@@ -731,3 +732,23 @@ def test_a_node_whose_join_was_dropped_joins_the_round_again(make_lab) -> None:
     lab.clock.on_sleep.append(play_the_closer)
     info = lab.handler.next_rendezvous()
     assert dropped and (info.rank, info.world_size) == (1, 2)
+
+
+def test_rank_0_drops_an_old_rounds_keys_only_a_grace_after_the_round_completed(
+        make_lab) -> None:
+    """Issue 27: on the embedded store a join key deleted between a lagging reader's
+    ``check`` and its ``multi_get`` made that read wait out connect_timeout and fail (1,024
+    agents on two cores): a round's keys now outlive its completion by a grace."""
+    lab = make_lab()
+    for _ in range(3):
+        lab.handler.next_rendezvous()
+    generation = lab.state().generation
+
+    def rounds_kept() -> list[int]:
+        return sorted(int(k.rsplit("/", 1)[1]) for k in lab.store.round_stores
+                      if f"/store/{generation}/" in k)
+    assert lab.state().round == 3
+    assert rounds_kept() == [1, 2, 3]  # round 1 is two rounds old, completed moments ago
+    lab.clock.now += OLD_ROUND_GRACE_S
+    lab.handler.next_rendezvous()
+    assert lab.state().round == 4 and rounds_kept() == [3, 4]

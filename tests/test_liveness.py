@@ -87,3 +87,38 @@ def test_a_late_observer_judges_nobody_until_it_has_read_again():
         clock.now += 0.5
         live.observe({"a": b"1"})
     assert live.is_dead("a")  # 3 s of fresh observation
+
+
+# -- keys the store expires (etcd's leases, issue 27) ------------------------------------
+def test_an_expiring_key_that_stays_is_alive_however_still_its_value() -> None:
+    clock = Clock()
+    live = Liveness(timeout=3.0, clock=clock, expiring=True)
+    for _ in range(20):  # 10 s of one unchanged value: its lease is renewed, not its value
+        live.observe({"n": b"1:0:4242"})
+        clock.now += 0.5
+    assert not live.is_dead("n") and live.silence()["n"] <= 0.5
+
+
+def test_an_expiring_key_that_vanishes_is_dead_at_once_and_alive_when_it_comes_back() -> None:
+    clock = Clock()
+    live = Liveness(timeout=3.0, clock=clock, expiring=True)
+    live.observe({"n": b"1:0"})
+    clock.now += 0.5
+    live.observe({"n": None})  # etcd deleted it: the lease ran out (a TTL without renewal)
+    assert live.is_dead("n")
+    clock.now += 0.5
+    live.observe({"n": b"2:9"})  # the thawed agent granted a new lease and put its key
+    assert not live.is_dead("n") and live.moved("n")
+
+
+def test_an_expiring_key_never_seen_is_judged_like_a_still_counter() -> None:
+    clock = Clock()
+    live = Liveness(timeout=3.0, clock=clock, expiring=True)
+    for _ in range(5):
+        live.observe({"n": None})
+        clock.now += 0.5
+    assert not live.is_dead("n")  # 2.5 s: a joiner may not have put its key yet
+    for _ in range(2):
+        live.observe({"n": None})
+        clock.now += 0.5
+    assert live.is_dead("n")

@@ -103,7 +103,15 @@ def test_status_and_list_on_etcd(etcd) -> None:
     assert code == 0 and (report["round"], report["phase"]) == (2, "open")
     assert report["members"] == [{"node": "n1", "address": "10.0.0.1:29500",
                                   "heartbeat_age_s": report["members"][0]["heartbeat_age_s"],
-                                  "left": False, "rank": None}]
+                                  "lease_held": False, "left": False, "rank": None}]
+    # a job with heartbeat=lease: its heartbeat is the agent's lease, held, no age (issue 27)
+    code, text = status("status", "--endpoint", endpoint, "--run-id", "job-b", "--json",
+                        "--rdzv-conf", "heartbeat=lease")
+    member = json.loads(text)["members"][0]
+    assert code == 0 and member["heartbeat_age_s"] is None and member["lease_held"] is True
+    code, text = status("status", "--endpoint", endpoint, "--run-id", "job-b",
+                        "--rdzv-conf", "heartbeat=lease")
+    assert code == 0 and "lease held" in text
 
 
 class Terminal(io.StringIO):

@@ -3,8 +3,12 @@ holds up the keeper."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
-import threading
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +24,7 @@ from elastic_ext.rendezvous.presence import (
     PROBE_TIMEOUT_S,
     PresenceListener,
     PresenceProbe,
+    PresenceWatch,
     refuses,
 )
 from elastic_ext.rendezvous.state import NodeInfo, Phase, RunState
@@ -84,24 +89,84 @@ def test_the_probe_remembers_a_refusal_and_does_not_hammer_a_live_port() -> None
     assert probe.known_gone("127.0.0.1", closed)
 
 
-def test_probes_of_silent_machines_run_in_parallel_and_later_ones_never_wait(
-        silent_ports: list[int]) -> None:
-    found = threading.Event()
-    probe = PresenceProbe(on_gone=found.set)
+def test_probes_of_silent_machines_run_in_parallel(silent_ports: list[int]) -> None:
+    probe = PresenceProbe()
+    began = time.monotonic()
+    targets = {f"n{i}": ("127.0.0.1", port) for i, port in enumerate(silent_ports)}
+    assert probe.gone_among(targets) == frozenset()
+    assert time.monotonic() - began < 4 * PROBE_TIMEOUT_S  # not 8 x the timeout
+
+
+def gone_within(watch: PresenceWatch, targets: dict[str, tuple[str, int]],
+                seconds: float) -> frozenset[str]:
+    """What the watch finds gone, asked as a keeper's ticks ask, until something is or
+    ``seconds`` passed."""
+    deadline = time.monotonic() + seconds
+    while not (gone := watch.gone_among(targets)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return gone
+
+
+HOLDER = """
+import socket, sys
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen(8)
+print(server.getsockname()[1], flush=True)
+held = [server.accept()[0] for _ in range(1)]
+sys.stdin.read()
+"""
+
+
+def test_a_held_connection_finds_a_killed_agent_at_once_and_never_a_frozen_one() -> None:
+    """Issue 27: a killed agent's kernel closes its connections, so a watcher that holds
+    one learns the death at its next tick with no probe; a frozen agent's stays open."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    watch = PresenceWatch()
     try:
+        assert proc.stdout is not None
+        target = {"n": ("127.0.0.1", int(proc.stdout.readline()))}
+        assert gone_within(watch, target, 0.3) == frozenset()  # connected, held
+        os.killpg(proc.pid, signal.SIGSTOP)
+        assert gone_within(watch, target, 1.0) == frozenset()  # frozen: its kernel holds on
+        os.killpg(proc.pid, signal.SIGKILL)
         began = time.monotonic()
-        targets = {f"n{i}": ("127.0.0.1", port) for i, port in enumerate(silent_ports)}
-        assert probe.gone_among(targets) == frozenset()
-        assert time.monotonic() - began < 4 * PROBE_TIMEOUT_S  # not 8 x the timeout
-        closed = closed_port()
-        began = time.monotonic()
-        for port in [closed, *silent_ports]:
-            probe.probe_later("127.0.0.1", port)
-        assert time.monotonic() - began < 0.05
-        assert found.wait(5) and probe.known_gone("127.0.0.1", closed)
-        assert not any(probe.known_gone("127.0.0.1", port) for port in silent_ports)
+        assert gone_within(watch, target, 5.0) == {"n"}
+        assert time.monotonic() - began < 0.5
+        assert watch.gone_among(target) == {"n"}  # remembered
     finally:
-        probe.close()
+        watch.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def test_a_watch_holds_connections_to_listeners_and_lets_go_of_dropped_ones(
+        silent_ports: list[int]) -> None:
+    listener, watch = PresenceListener(), PresenceWatch()
+    try:
+        refused = closed_port()
+        targets = {"live": ("127.0.0.1", listener.port), "refused": ("127.0.0.1", refused),
+                   **{f"silent{i}": ("127.0.0.1", p) for i, p in enumerate(silent_ports)}}
+        began = time.monotonic()
+        assert gone_within(watch, targets, 1.0) == {"refused"}
+        assert time.monotonic() - began < 0.5  # silent machines never make it wait
+        listener.drain()
+        assert len(listener._held.get_map()) == 1  # the watch's connection, held open
+        assert watch.gone_among(targets) == {"refused"}
+        watch.gone_among({})  # watching nobody any more: its connections are closed
+        deadline = time.monotonic() + 5.0
+        while listener._held.get_map() and time.monotonic() < deadline:
+            listener.drain()
+            time.sleep(0.01)
+        assert not listener._held.get_map()
+        assert gone_within(watch, {"live": ("127.0.0.1", listener.port)}, 0.3) == frozenset()
+        listener.close()  # what the kernel does when the agent dies
+        assert gone_within(watch, {"live": ("127.0.0.1", listener.port)}, 5.0) == {"live"}
+    finally:
+        watch.close()
+        listener.close()
 
 
 def test_silent_nodes_are_declared_dead_on_time_and_the_keeper_never_waits_on_a_probe(

@@ -48,8 +48,18 @@ def test_torchrun_timeout_is_the_join_timeout_unless_join_timeout_is_given():
 
 def test_unknown_key_is_named_and_the_accepted_keys_listed():
     with pytest.raises(ConfigError,
-                       match=r"unknown --rdzv-conf key 'heartbeat'.*heartbeat_interval"):
-        parse(conf={"heartbeat": "1"})
+                       match=r"unknown --rdzv-conf key 'heartbeats'.*heartbeat_interval"):
+        parse(conf={"heartbeats": "1"})
+
+
+def test_the_heartbeat_mode_is_write_or_lease_and_lease_needs_etcd():
+    assert parse().heartbeat == "write"
+    assert parse(conf={"heartbeat": "lease"}).heartbeat == "lease"
+    with pytest.raises(ConfigError, match="heartbeat='beat' must be write or lease"):
+        parse(conf={"heartbeat": "beat"})
+    with pytest.raises(ConfigError, match="heartbeat=lease needs etcd"):
+        parse_settings(endpoint="c10d://127.0.0.1:29400", run_id="r", min_nodes=1,
+                       max_nodes=2, conf={"heartbeat": "lease"})
 
 
 def test_password_on_the_command_line_is_refused():

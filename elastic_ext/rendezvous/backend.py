@@ -127,6 +127,15 @@ class StoreBackend(ABC):
         return True
 
     @property
+    def heartbeats_expire(self) -> bool:
+        """Whether a heartbeat key lives only as long as its agent renews it (etcd: it hangs
+        on the agent's lease, and etcd deletes it a TTL after the last keep-alive): its
+        presence is the heartbeat, and its value moves only when the agent announces itself
+        anew. False: the value is a counter that ``beat`` moves and the keeper must see
+        move (``liveness.Liveness``)."""
+        return False
+
+    @property
     def hosts_store(self) -> bool:
         """Whether this agent's own process serves the store (the embedded store's host)."""
         return False
@@ -214,15 +223,17 @@ class StoreBackend(ABC):
     def keeper_read(self, node: str, presence_port: int | None,
                     watched: Sequence[str]) -> KeeperRead:
         """One keeper tick's store work: ``beat``, then read ``state_version``, the
-        heartbeats of ``watched`` and the verdict. Stores that can do it in one round trip
-        (etcd's transactions) override it."""
+        heartbeats of ``watched`` and the verdict. Stores that can do better override it
+        (etcd: a lease keep-alive every third of its TTL, the rest from watches, so that
+        a write made moments before shows once the watch delivered it: milliseconds)."""
         self.beat(node, presence_port)
         return KeeperRead(self.state_version(), self.read_beats(watched), self.read_verdict())
 
     @abstractmethod
     def beat(self, node: str, presence_port: int | None = None) -> None:
         """Advance ``node``'s heartbeat: store ``heartbeat_value`` of a counter that moves
-        at every call, and of ``presence_port`` (on etcd the key expires with this agent)."""
+        at every call, and of ``presence_port`` (on etcd the key expires with this agent's
+        lease, which ``keeper_read`` renews)."""
 
     @abstractmethod
     def leave(self, node: str) -> None:

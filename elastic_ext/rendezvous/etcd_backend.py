@@ -2,20 +2,18 @@
 
 Layout under ``<key_prefix>/<run_id>/``: ``state`` (the JSON state, written by
 compare-and-swap on ``mod_revision``, create-if-absent the first time), ``hb/<node>``
-(heartbeat counters, on each agent's lease so they expire), ``join/<generation>/<round>/
-<node>`` (join keys, ordered by their create revision), ``verdict`` and
-``store/<generation>/<round>/`` (the round's c10d store for torch's agent). A keeper's
-tick is one transaction; waiting for the state is a watch.
+(heartbeats, on each agent's lease so they expire: ``etcd_lease``), ``join/<generation>/
+<round>/<node>`` (join keys, ordered by their create revision), ``verdict`` and
+``store/<generation>/<round>/`` (the round's c10d store for torch's agent). Waiting for
+the state is a watch (``etcd_watch``). A keeper's tick is one transaction, or with
+``heartbeat=lease`` no request at all: the lease renews itself and the heartbeats come by
+a watch.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import threading
-import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -23,11 +21,9 @@ from torch.distributed import Store
 
 from elastic_ext.rendezvous.backend import (
     STATE_KEY,
-    STATE_POLL_S,
     KeeperRead,
     StoreBackend,
     Token,
-    heartbeat_value,
     unwrap_state,
     wrap_state,
 )
@@ -35,97 +31,20 @@ from elastic_ext.rendezvous.clock import Clock
 from elastic_ext.rendezvous.errors import StoreUnavailableError
 from elastic_ext.rendezvous.etcd_client import (
     EtcdClient,
-    KeyValue,
     op_delete,
     op_put,
     op_range,
     range_reply,
 )
+from elastic_ext.rendezvous.etcd_lease import EXPIRY_CHECK_S, AgentLease, lease_ttl
 from elastic_ext.rendezvous.etcd_store import EtcdV3Store
+from elastic_ext.rendezvous.etcd_watch import SharedFeeds
 from elastic_ext.rendezvous.liveness import LEFT
 from elastic_ext.rendezvous.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-
-@dataclass
-class _SharedFeed:
-    """The state watch of a backend and its clones (the keeper's): one stream per agent."""
-
-    feed: _StateFeed | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def get(self, client: EtcdClient, key: str) -> _StateFeed:
-        with self.lock:
-            if self.feed is None:
-                self.feed = _StateFeed(client, key)
-            return self.feed
-
-    def close(self) -> None:
-        with self.lock:
-            if self.feed is not None:
-                self.feed.close()
-                self.feed = None
-
-
-@dataclass
-class _Lease:
-    """The agent's etcd lease, shared by its backend and the backend's clones."""
-
-    ttl: int
-    id: int | None = None
-    refreshed: float = 0.0
-    left: bool = False  # the agent left the run: no heartbeat may follow its LEFT marker
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-class _StateFeed:
-    """The run's state as one etcd watch delivers it, for the life of the backend: waiting
-    for the state costs no request, and each change reaches each agent once, with its
-    value."""
-
-    IDLE_S = 30.0  # a stream silent this long is opened anew (a half-open connection)
-
-    def __init__(self, client: EtcdClient, key: str) -> None:
-        self._client = client
-        self._key = key
-        self._changed = threading.Condition()
-        self._latest: tuple[int, KeyValue | None] | None = None  # (revision, key or None)
-        self._stop = threading.Event()
-        threading.Thread(target=self._run, name="etcd-ext-state-watch", daemon=True).start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                kv, revision = self._client.get_with_revision(self._key)
-                self._publish(kv.mod_revision if kv else revision, kv)
-                for change in self._client.watch(self._key, revision + 1, self.IDLE_S,
-                                                 self._stop):
-                    self._publish(*change)
-            except Exception as exc:  # etcd down or moving: read it again in a moment
-                logger.debug("etcd-ext: state watch: %s", exc)
-                self._stop.wait(STATE_POLL_S)
-
-    def _publish(self, revision: int, kv: KeyValue | None) -> None:
-        with self._changed:
-            if self._latest is None or revision >= self._latest[0]:
-                self._latest = (revision, kv)
-                self._changed.notify_all()
-
-    def wait_past(self, revision: int | None, timeout: float
-                  ) -> tuple[int, KeyValue | None] | None:
-        """The latest change after ``revision`` (None: whatever is known), waiting up to
-        ``timeout`` seconds for one; None if none came."""
-        with self._changed:
-            if self._changed.wait_for(lambda: self._latest is not None and (
-                    revision is None or self._latest[0] > revision), timeout):
-                return self._latest
-            return None
-
-    def close(self) -> None:
-        self._stop.set()
 
 
 class EtcdBackend(StoreBackend):
@@ -136,15 +55,20 @@ class EtcdBackend(StoreBackend):
     before it reads the state itself."""
 
     def __init__(self, settings: Settings, client: EtcdClient | None = None,
-                 lease: _Lease | None = None, feed: _SharedFeed | None = None) -> None:
+                 lease: AgentLease | None = None, feeds: SharedFeeds | None = None) -> None:
         self._settings = settings
         self._client = client or EtcdClient(settings)
         self._prefix = settings.run_prefix
         self._state_key = self._prefix + STATE_KEY
-        self._lease = lease or _Lease(ttl=max(10, math.ceil(4 * settings.timeouts.heartbeat)))
-        self._beats = 0
-        self._feed = feed or _SharedFeed()  # started by the first wait; clones share it
-        self._owns_feed = feed is None
+        self._hb_prefix = self._prefix + "hb/"
+        self._leased = settings.heartbeat == "lease"
+        self._lease = lease or AgentLease(
+            self._client, self._hb_prefix, lease_ttl(settings.timeouts.heartbeat,
+                                                      is_heartbeat=self._leased),
+            settings.timeouts.heartbeat)
+        self._feeds = feeds or SharedFeeds()  # started when first read; clones share them
+        self._owns_feeds = feeds is None
+        self._verdict: tuple[dict[str, bytes | None], bytes | None] | None = None
 
     @property
     def name(self) -> str:
@@ -162,6 +86,11 @@ class EtcdBackend(StoreBackend):
         backend = cls(settings)
         version = backend._client.server_version()
         logger.info("etcd-ext: etcd %s at %s", version, settings.describe_endpoints())
+        slowest = backend._lease.ttl + EXPIRY_CHECK_S
+        if backend._leased and settings.timeouts.heartbeat < slowest:
+            logger.warning("etcd-ext: heartbeat_timeout=%g is shorter than etcd's leases can "
+                           "tell (a TTL of at least 2 s, expired within 0.5 s): a frozen node "
+                           "is found after up to %g s", settings.timeouts.heartbeat, slowest)
         return backend
 
     def get_state(self) -> tuple[bytes, Token] | None:
@@ -187,9 +116,9 @@ class EtcdBackend(StoreBackend):
 
     def wait_for_state(self, token: Token | None, timeout: float, clock: Clock
                        ) -> bool | tuple[bytes, Token]:
-        """Answered from this backend's watch of the state (``_StateFeed``): no request."""
+        """Answered from this backend's watch of the state (``WatchedKeys``): no request."""
         after = token if isinstance(token, int) and not isinstance(token, bool) else None
-        change = self._feed.get(self._client, self._state_key).wait_past(after, timeout)
+        change = self._feeds.state_feed(self._client, self._state_key).wait_past(after, timeout)
         if change is None:
             return False
         revision, kv = change
@@ -201,7 +130,7 @@ class EtcdBackend(StoreBackend):
         """From the watch of the state the handler keeps (the keeper's clone shares it):
         each version of the state reaches an agent once, not once more for its keeper."""
         if isinstance(version, int) and not isinstance(version, bool):
-            feed = self._feed.get(self._client, self._state_key)
+            feed = self._feeds.state_feed(self._client, self._state_key)
             change = feed.wait_past(version - 1, self.FEED_CATCH_UP_S)
             if change is not None and change[1] is not None:
                 return unwrap_state(change[1].value), change[0]
@@ -230,8 +159,20 @@ class EtcdBackend(StoreBackend):
         prefix = self._join_prefix(generation, round_)
         self._client.txn([op_delete(prefix + node) for node in nodes])
 
+    @property
+    def heartbeats_expire(self) -> bool:
+        """With ``heartbeat=lease``."""
+        return self._leased
+
     def write_verdict(self, verdict: bytes) -> None:
-        self._client.put(self._prefix + "verdict", verdict)
+        """Also moves the writer's heartbeat value (when it has one), in the same
+        transaction: with ``heartbeat=lease`` the others watch only that key, and read the
+        verdict when it moves."""
+        def write() -> None:
+            with self._lease.lock:
+                self._client.txn([op_put(self._prefix + "verdict", verdict),
+                                  *self._lease.beat_ops()])
+        self._lease.retry(write)
 
     def read_verdict(self) -> bytes | None:
         kv = self._client.get(self._prefix + "verdict")
@@ -239,66 +180,63 @@ class EtcdBackend(StoreBackend):
 
     def keeper_read(self, node: str, presence_port: int | None,
                     watched: Sequence[str]) -> KeeperRead:
+        if self._leased:
+            return self._watched_read(node, presence_port, watched)
         # One transaction: the beat, the state's revision, the verdict and the heartbeats
         # (a range over all of them when many are watched, else one read each).
-        self._beats += 1
-        value = heartbeat_value(self._beats, presence_port)
-        hb_prefix = f"{self._prefix}hb/"
-        many = len(watched) > 8
-        reads = [op_range(hb_prefix, prefix=True)] if many else \
-            [op_range(hb_prefix + n) for n in watched]
+        hb = self._hb_prefix
+        reads = [op_range(hb, prefix=True)] if len(watched) > 8 else \
+            [op_range(hb + n) for n in watched]
 
         def beat_and_read() -> list[dict[str, Any]]:
-            lease = self._current_lease()
-            beat = [] if lease is None else [op_put(hb_prefix + node, value, lease=lease)]
+            self._lease.ensure(node, presence_port, put_beat=False)
+            with self._lease.lock:
+                beat = self._lease.beat_ops()
             replies = self._client.txn([*beat, op_range(self._state_key, keys_only=True),
                                         op_range(self._prefix + "verdict"), *reads])
             return replies[len(beat):]
-        replies = self._lease_retry(beat_and_read)
+        replies = self._lease.retry(beat_and_read)
         state_kvs, _ = range_reply(replies[0])
         verdict_kvs, _ = range_reply(replies[1])
-        found = {kv.key.decode()[len(hb_prefix):]: kv.value
+        found = {kv.key.decode()[len(hb):]: kv.value
                  for reply in replies[2:] for kv in range_reply(reply)[0]}
         return KeeperRead(state_kvs[0].mod_revision if state_kvs else None,
                           {n: found.get(n) for n in watched},
                           verdict_kvs[0].value if verdict_kvs else None)
 
+    def _watched_read(self, node: str, presence_port: int | None,
+                      watched: Sequence[str]) -> KeeperRead:
+        """``heartbeat=lease``: no request at most ticks (the lease renews itself): the
+        state's version from the state watch, the heartbeats from a watch of the one key
+        watched (of all of them when more are), and the verdict read again only when a
+        watched heartbeat value moved (the watcher moves its own when it publishes)."""
+        self._lease.retry(lambda: self._lease.ensure(node, presence_port, put_beat=True))
+        timeout = self._settings.timeouts.connect
+        one = len(watched) == 1
+        beats: dict[str, bytes | None] = {}
+        if watched:
+            feed = self._feeds.beats_feed(
+                self._client, self._hb_prefix + watched[0] if one else self._hb_prefix,
+                prefix=not one)
+            keys = feed.current(timeout)
+            beats = {n: kv.value if (kv := keys.get((self._hb_prefix + n).encode())) else None
+                     for n in watched}
+        state = self._feeds.state_feed(self._client, self._state_key).wait_past(None, timeout)
+        if state is None:
+            raise StoreUnavailableError(f"no read of the run's state within {timeout:g}s")
+        if self._verdict is None or self._verdict[0] != beats:
+            self._verdict = (beats, self.read_verdict())
+        return KeeperRead(state[0] if state[1] is not None else None, beats, self._verdict[1])
+
     def beat(self, node: str, presence_port: int | None = None) -> None:
-        self._beats += 1
-        value = heartbeat_value(self._beats, presence_port)
-
         def put() -> None:
-            lease = self._current_lease()
-            if lease is not None:
-                self._client.put(f"{self._prefix}hb/{node}", value, lease=lease)
-        self._lease_retry(put)
-
-    def _current_lease(self) -> int | None:
-        """This agent's lease, kept alive: heartbeat keys hang on it, so a dead agent's
-        key disappears. One per agent: the backend's clones share it. None once the agent
-        left: its heartbeat is over."""
-        lease = self._lease
-        with lease.lock:
-            if lease.left:
-                return None
-            now = time.monotonic()
-            if lease.id is None:
-                lease.id = self._client.lease_grant(lease.ttl)
-                lease.refreshed = now
-            elif now - lease.refreshed > lease.ttl / 3:
-                self._client.lease_keepalive(lease.id)
-                lease.refreshed = now
-            return lease.id
-
-    def _lease_retry(self, write: Callable[[], _T]) -> _T:
-        try:
-            return write()
-        except StoreUnavailableError as exc:
-            if "lease not found" not in str(exc):
-                raise
+            if self._lease.ensure(node, presence_port, put_beat=False) is None:
+                return
             with self._lease.lock:
-                self._lease.id = None  # expired while etcd was out of reach, or revoked
-            return write()           # on leaving (then the write beats no more)
+                beat = self._lease.beat_ops()
+                if beat:
+                    self._client.txn(beat)
+        self._lease.retry(put)
 
     def remove_run(self) -> None:
         self._client.delete_prefix(self._prefix)
@@ -310,9 +248,7 @@ class EtcdBackend(StoreBackend):
         keys. The revoke deletes the heartbeat key, so until LEFT is written the others
         read this node as gone, and the last of them may remove the run meanwhile: LEFT is
         written only while the run's state exists, never bringing back a removed run."""
-        with self._lease.lock:
-            self._lease.left = True
-            lease, self._lease.id = self._lease.id, None
+        lease = self._lease.end()
         if lease is not None:
             try:
                 self._client.lease_revoke(lease)
@@ -356,9 +292,10 @@ class EtcdBackend(StoreBackend):
                        for kv in self._client.get_prefix(prefix)})
 
     def close(self) -> None:
-        if self._owns_feed:
-            self._feed.close()
+        if self._owns_feeds:
+            self._feeds.close()
+            self._lease.stop()
 
     def clone(self) -> EtcdBackend:
         # the client is thread-safe; the lease and the state watch are the agent's
-        return EtcdBackend(self._settings, self._client, self._lease, self._feed)
+        return EtcdBackend(self._settings, self._client, self._lease, self._feeds)

@@ -2,9 +2,8 @@
 
 Why the gateway: etcd 3.4+ serves it by default, and speaking it needs no
 grpcio/protobuf, whose pins break ML stacks (and broke the old ``etcd3`` package).
-Unary calls go through ``etcd_http`` (``http.client``, kept alive per thread: cheap
-enough for every keeper's two calls a second at 1,024 agents); the version probe and
-watch streams through ``requests``. Added here: rotation over several endpoints,
+Unary calls go through ``etcd_http`` (``http.client``, kept alive per thread); the
+version probe and watch streams through ``requests``. Added here: rotation over several endpoints,
 user/password auth with re-login when the token expires, TLS from our own settings
 (never a machine-wide CA bundle), and the transactions the rendezvous needs.
 """
@@ -242,16 +241,11 @@ class EtcdClient:
             "--rdzv-endpoint and that etcd is running")
 
     def get(self, key: str) -> KeyValue | None:
-        reply = self.call("/kv/range", {"key": _b64(key)})
-        kvs = reply.get("kvs") or []
-        if not kvs:
-            return None
-        return KeyValue.from_reply(kvs[0])
+        kvs, _ = self.read_range(key)
+        return kvs[0] if kvs else None
 
     def get_prefix(self, prefix: str) -> list[KeyValue]:
-        raw = prefix.encode()
-        reply = self.call("/kv/range", {"key": _b64(raw), "range_end": _b64(_prefix_end(raw))})
-        return [KeyValue.from_reply(kv) for kv in reply.get("kvs") or []]
+        return self.read_range(prefix, prefix=True)[0]
 
     def put(self, key: str, value: bytes, lease: int | None = None) -> int:
         payload: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
@@ -338,29 +332,27 @@ class EtcdClient:
         kvs = reply.get("kvs") or []
         return int(kvs[0]["mod_revision"]) if kvs else None
 
-    def get_with_revision(self, key: str) -> tuple[KeyValue | None, int]:
-        """The key (None if absent) and the store's revision when it was read."""
-        reply = self.call("/kv/range", {"key": _b64(key)})
-        kvs = reply.get("kvs") or []
-        return (KeyValue.from_reply(kvs[0]) if kvs else None), int(reply["header"]["revision"])
-
     def watch(self, key: str, start_revision: int, idle_timeout: float,
-              stop: threading.Event) -> Iterator[tuple[int, KeyValue | None]]:
-        """Each change of ``key`` from ``start_revision`` on, as (its revision, the key, or
-        None when it was deleted), through one watch stream of the gateway. Ends when the
-        stream ends, nothing came for ``idle_timeout`` seconds, or ``stop`` is set.
+              stop: threading.Event, *, prefix: bool = False
+              ) -> Iterator[tuple[int, bytes, KeyValue | None]]:
+        """Each change of ``key`` (``prefix``: of the keys under it) from ``start_revision``
+        on, as (revision, key, new value or None when deleted or its lease expired), through
+        one watch stream of the gateway. Ends when the stream ends, nothing came for
+        ``idle_timeout`` seconds, or ``stop`` is set.
 
         Raises:
             StoreUnavailableError: the watch could not be opened or broke.
         """
         endpoint = self._settings.endpoints[self._current]
-        payload = {"create_request": {"key": _b64(key), "start_revision": str(start_revision)}}
+        create: dict[str, Any] = {"key": _b64(key), "start_revision": str(start_revision)}
+        if prefix:
+            create["range_end"] = _b64(_prefix_end(key.encode()))
         headers = {"Authorization": self._token} if self._token else {}
         url = f"{self._settings.scheme}://{endpoint}/v3/watch"
         try:
-            with self._session().post(url, json=payload, headers=headers, stream=True,
-                                      timeout=(self._settings.timeouts.request,
-                                               idle_timeout)) as reply:
+            with self._session().post(url, json={"create_request": create}, headers=headers,
+                                      stream=True, timeout=(self._settings.timeouts.request,
+                                                            idle_timeout)) as reply:
                 # chunk_size=None: each line as soon as it arrives (the stubs omit None)
                 for line in reply.iter_lines(chunk_size=None):  # type: ignore[call-overload]
                     if stop.is_set():
@@ -372,17 +364,36 @@ class EtcdClient:
                         return  # the caller reads the key again and watches anew
                     for event in result.get("events") or []:
                         kv = KeyValue.from_reply(event["kv"])
-                        yield kv.mod_revision, None if event.get("type") == "DELETE" else kv
+                        yield kv.mod_revision, kv.key, \
+                            None if event.get("type") == "DELETE" else kv
         except requests.exceptions.ReadTimeout:
             return
         except (requests.exceptions.RequestException, ValueError, KeyError, TypeError) as exc:
             raise StoreUnavailableError(f"watch of {key} at {endpoint} failed: {exc}") from exc
 
-    def lease_grant(self, ttl: int) -> int:
-        return int(self.call("/lease/grant", {"TTL": str(ttl), "ID": "0"})["ID"])
+    def read_range(self, key: str, *, prefix: bool = False) -> tuple[list[KeyValue], int]:
+        """The key (with ``prefix``: every key under it) and the store's revision when it
+        was read: where a watch of the same keys starts."""
+        payload = {"key": _b64(key)}
+        if prefix:
+            payload["range_end"] = _b64(_prefix_end(key.encode()))
+        reply = self.call("/kv/range", payload)
+        return ([KeyValue.from_reply(kv) for kv in reply.get("kvs") or []],
+                int(reply["header"]["revision"]))
 
-    def lease_keepalive(self, lease: int) -> None:
-        self.call("/lease/keepalive", {"ID": str(lease)})
+    def lease_grant(self, ttl: int) -> tuple[int, int]:
+        """A new lease: (its id, the TTL etcd granted; never less than the cluster's minimum,
+        1.5 election timeouts rounded up: 2 s with etcd's defaults)."""
+        reply = self.call("/lease/grant", {"TTL": str(ttl), "ID": "0"})
+        return int(reply["ID"]), int(reply.get("TTL", ttl))
+
+    def lease_keepalive(self, lease: int) -> int:
+        """Renew ``lease``; its TTL again, or 0 when the lease is gone (expired or revoked:
+        etcd answers a keep-alive of an unknown lease with TTL 0, not with an error). Not a
+        write: the leader answers it without Raft. The gateway cannot hold etcd's
+        keep-alive stream open (etcd-io/etcd#8237), so each is one request."""
+        reply = self.call("/lease/keepalive", {"ID": str(lease)})
+        return int((reply.get("result") or reply).get("TTL", 0))
 
     def lease_revoke(self, lease: int) -> None:
         """Ends the lease and deletes the keys attached to it."""

@@ -53,6 +53,13 @@ _Known = tuple[RunState | None, Token | None]
 """The state and its token as a write or a wait left them, so the loop need not read."""
 
 
+OLD_ROUND_GRACE_S = 60.0
+"""How long a round's join keys and store outlive its completion: an agent far behind
+(starved on a loaded machine) may still read them, and on the embedded store a key
+deleted between its ``check`` and its ``multi_get`` made that read wait out
+``connect_timeout`` and fail (seen at 1,024 agents on two cores, issue 27)."""
+
+
 @dataclass
 class Memory:
     """What one node carries from one ``next_rendezvous`` call to the next."""
@@ -62,6 +69,9 @@ class Memory:
     # when this node first saw each open round with MIN nodes (its last call counts from then)
     min_reached_at: dict[tuple[str, int], float] = field(default_factory=dict)
     last_written_note: str = ""  # logged when written: not logged again when read
+    # when this node saw each round of its generation complete (rank 0 drops old rounds'
+    # keys only ``OLD_ROUND_GRACE_S`` after)
+    completed_at: dict[tuple[str, int], float] = field(default_factory=dict)
     # An open round whose idle closer this node took over. Kept across calls: after a call
     # that ended in an error, the next one on the same round decides on it at once.
     take_over: tuple[str, int] | None = None
@@ -341,11 +351,20 @@ class JoinSession:
         return state
 
     def _forget_old_rounds(self, state: RunState) -> None:
-        """Rank 0 drops the rounds' stores before ``state``'s (tidying only), and every node
-        forgets when older open rounds reached MIN nodes."""
+        """Rank 0 drops the stores and join keys of the rounds before ``state``'s that it saw
+        complete ``OLD_ROUND_GRACE_S`` ago or more (tidying only), and every node forgets
+        when older open rounds reached MIN nodes."""
+        now = self._clock.monotonic()
+        seen = self._memory.completed_at
+        seen.setdefault((state.generation, state.round), now)
+        recent = [r for (g, r), at in seen.items()
+                  if g == state.generation and now - at < OLD_ROUND_GRACE_S]
+        keep_from = min([state.round - 1, *recent])
+        self._memory.completed_at = {(g, r): at for (g, r), at in seen.items()
+                                     if g == state.generation and r >= keep_from}
         if state.rank_of(self._node) == 0:
             try:
-                self._backend.drop_round_stores(state.generation, state.round - 1)
+                self._backend.drop_round_stores(state.generation, keep_from)
             except Exception as exc:  # tidying up only: the keys are removed with the run
                 logger.debug("etcd-ext: could not drop old round stores: %s", exc)
         self._memory.min_reached_at = {k: v for k, v in self._memory.min_reached_at.items()

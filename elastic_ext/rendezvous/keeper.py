@@ -7,8 +7,10 @@ participant, a node waiting to join, a newer round, or a worker's report that a 
 failed. It never blocks the agent: the agent reads the keeper's last verdict.
 
 One keeper judges everyone (the watcher: ``joins.closer_of``) and publishes its
-``liveness.Verdict``; the others read it with their own heartbeat, one request a tick,
-and judge only the watcher.
+``liveness.Verdict``; the others read it when the watcher's heartbeat moves, and judge
+only the watcher. On etcd a heartbeat is a lease keep-alive and the others' keys arrive
+by a watch (``etcd_backend``); on any store, the keeper holds a connection to each
+watched node's presence port and reads a killed agent's end from it (``presence``).
 
 It also carries this node's preemption notice to the run's state and settles it with
 the other nodes' (``drain.py``), and passes a whole-job stop on to the workers.
@@ -30,7 +32,12 @@ from elastic_ext.rendezvous.joins import closer_of
 from elastic_ext.rendezvous.liveness import LEFT, Liveness, Verdict
 from elastic_ext.rendezvous.notices import NoticeRelay
 from elastic_ext.rendezvous.policy import Limits, restart_pressure
-from elastic_ext.rendezvous.presence import PresenceListener, PresenceProbe, unreachable_among
+from elastic_ext.rendezvous.presence import (
+    PresenceListener,
+    PresenceProbe,
+    PresenceWatch,
+    unreachable_among,
+)
 from elastic_ext.rendezvous.state import Phase, Reason, RunState, Status
 
 logger = logging.getLogger(__name__)
@@ -62,10 +69,10 @@ class Keeper:
         self._control = control
         self._events = events
         self._clock = clock
-        self._liveness = Liveness(timeout, clock.monotonic)
+        self._liveness = Liveness(timeout, clock.monotonic, expiring=backend.heartbeats_expire)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._wake = threading.Event()  # tick now: a probe found a node gone, or stop
+        self._wake = threading.Event()  # tick now: a notice to relay, or stop
         self._thread: threading.Thread | None = None
         self._round: tuple[str, int] | None = None
         self._pressure = Pressure()
@@ -80,7 +87,8 @@ class Keeper:
         self._inherited_left: set[str] = set()
         self._published: Verdict | None = None
         self._presence = PresenceListener()
-        self._probe = PresenceProbe(on_gone=self._wake.set)
+        self._probe = PresenceProbe()
+        self._held = PresenceWatch()  # used by the tick's thread only
         self._ports: dict[str, int] = {}  # presence ports from the heartbeats last read
         self._addrs: dict[str, str] = {}  # node addresses from the states read
         self._lost_told: tuple[str, int] | None = None  # the round whose workers know
@@ -182,7 +190,8 @@ class Keeper:
             if self._thread.is_alive():  # leaving revokes its heartbeat (etcd_backend.leave)
                 logger.warning("etcd-ext: keeper still in a store call; leaving without it")
         self._notices.close()
-        self._probe.close()
+        if self._thread is None or not self._thread.is_alive():
+            self._held.close()
         self._presence.close()
 
     def _run(self) -> None:
@@ -289,7 +298,12 @@ class Keeper:
         """(dead, left) among ``nodes`` (under ``_lock``): our own judgement when we watch
         everyone, else the watcher's published verdict and our judgement of the watcher.
         A node that becomes the watcher keeps the last verdict's dead until they beat."""
-        own = self._liveness.dead_among(beats) | self._gone_among_silent(beats)
+        # Connections to everyone only from the watcher itself: while a dead watcher makes
+        # every keeper judge everyone, N keepers holding N connections each would be N².
+        held = beats if watcher in (None, self._node) else [watcher]
+        own = self._liveness.dead_among(beats) | self._held.gone_among(
+            {n: (self._addrs[n], self._ports[n]) for n in held
+             if n in self._ports and n in self._addrs})
         left = {n for n in own if beats.get(n) == LEFT}
         if judging:
             inherited = {n for n in self._inherited & nodes if not self._liveness.moved(n)}
@@ -299,21 +313,6 @@ class Keeper:
             self._inherited, self._inherited_left = set(verdict.dead), set(verdict.left)
             return frozenset(own | (verdict.dead & nodes)), frozenset(left | verdict.left)
         return frozenset(own), frozenset(left)
-
-    def _gone_among_silent(self, beats: Mapping[str, bytes | None]) -> frozenset[str]:
-        """Of the nodes whose heartbeat has been still for two intervals, those whose agent
-        is gone for sure: its presence port refuses (``presence.py``). A killed agent is
-        found in about a second this way; a frozen one (its kernel still accepts) waits
-        for the heartbeat timeout. The probes run on the probe's threads, never in this
-        tick or under ``_lock`` (held here): a probe that finds a node gone wakes the
-        keeper for another tick, which sees it."""
-        silence = self._liveness.silence()
-        suspects = [n for n in beats if silence.get(n, 0.0) >= 2 * self._interval
-                    and n in self._ports and n in self._addrs]
-        for node in sorted(suspects, key=silence.__getitem__, reverse=True):
-            self._probe.probe_later(self._addrs[node], self._ports[node])
-        return frozenset(n for n in suspects if self._probe.known_gone(self._addrs[n],
-                                                                       self._ports[n]))
 
     def _weigh(self, state: RunState, dead: frozenset[str]) -> None:
         """Turn what we read into a reason to leave our round, if any (under ``_lock``)."""

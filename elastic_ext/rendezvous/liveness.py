@@ -7,6 +7,11 @@ restarts, so an etcd outage or a leader election never kills a healthy job. Nor
 does a late observer judge: when our last read is older than half the timeout (a
 keeper delayed by a loaded machine or a long pause), nobody is dead until we read again.
 
+Where the store expires heartbeat keys itself (etcd's leases: ``expiring``), the judgement
+is the store's: a key present is a live node, whatever its value; a key that vanished
+after we saw it is a dead one at once (its agent did not renew its lease for a TTL, chosen
+to fit in the timeout); a key never seen is judged as a still counter.
+
 One node judges for the whole job (the round's closer, then its rank 0: ``joins.closer_of``)
 and publishes a ``Verdict``; the others read it and watch only that node's heartbeat, so
 liveness costs the store O(N) reads per interval for the job, not O(N) per agent.
@@ -58,11 +63,14 @@ class _Seen:
     value: bytes | None
     changed_at: float
     moved: bool = False  # the value changed since we first saw it: the node beats
+    expired: bool = False  # an expiring key we saw vanished: its lease ran out
 
 
 class Liveness:
-    def __init__(self, timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, timeout: float, clock: Callable[[], float] = time.monotonic, *,
+                 expiring: bool = False) -> None:
         self._timeout = timeout
+        self._expiring = expiring
         self._clock = clock
         self._seen: dict[str, _Seen] = {}
         self._last_read: float | None = None
@@ -84,6 +92,11 @@ class Liveness:
             elif known.value != value and value is not None:
                 # A key that vanished (a dead agent's etcd lease expired) is no heartbeat.
                 known.value, known.changed_at, known.moved = value, now, True
+                known.expired = False
+            elif self._expiring and value is not None:
+                known.changed_at = now  # the key is there: its lease holds
+            elif self._expiring and known.value is not None:
+                known.expired = True  # seen, now gone: the store judged it
 
     def blind(self) -> None:
         """A read failed: what we saw so far says nothing about the time since."""
@@ -93,7 +106,7 @@ class Liveness:
         seen = self._seen.get(node)
         if seen is None:
             return False
-        if seen.value == LEFT:
+        if seen.value == LEFT or seen.expired:
             return True
         now = self._clock()
         if self._last_read is None or now - self._last_read > self._timeout / 2:
@@ -111,8 +124,8 @@ class Liveness:
         return frozenset(n for n in nodes if self.is_dead(n))
 
     def silence(self) -> dict[str, float]:
-        """Seconds since each watched node's heartbeat last changed, on our clock (a node
-        that left is not listed)."""
+        """Seconds since each watched node's heartbeat last changed (an expiring key: since
+        we last saw it), on our clock (a node that left is not listed)."""
         now = self._clock()
         return {node: now - seen.changed_at for node, seen in self._seen.items()
                 if seen.value != LEFT}

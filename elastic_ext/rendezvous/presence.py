@@ -10,6 +10,11 @@ stops waiting for a node whose port refuses. Anything but a refusal (a timeout, 
 frozen agent, a dead machine, a firewall that drops) says nothing, and the round
 waits as before.
 
+The keeper holds a connection to the port of each node it watches (``PresenceWatch``):
+when an agent dies, its kernel closes that connection, and the keeper's next tick reads
+it as ended, with no probe and no heartbeat timeout. A frozen agent's kernel keeps it
+open; a dead machine or a cut network says nothing: those wait for the heartbeat.
+
 The same ports tell whether nodes can reach each other at all: after a round that
 failed, or ended before a training step, each agent checks that it can connect to the
 other nodes of that round (a frozen agent's kernel still answers). A node most others
@@ -18,17 +23,19 @@ cannot reach, though the store can, is left out (``policy.unreachable_by_most``)
 
 from __future__ import annotations
 
+import errno
 import logging
+import resource
+import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 0.2
-PROBE_THREADS = 8
 REPROBE_AFTER_S = 0.2
 REACH_TIMEOUT_S = 1.0
 _REACH_THREADS = 32
@@ -37,8 +44,10 @@ _REACH_THREADS = 32
 class PresenceListener:
     """This agent's port: listening is the whole job (the kernel answers connects).
 
-    Connections are accepted and closed in :meth:`drain` so that the backlog never
-    fills (a full backlog drops SYNs, which reads as "no answer", never as gone).
+    Connections are accepted in :meth:`drain` so that the backlog never fills (a full
+    backlog drops SYNs, which reads as "no answer", never as gone), and held open until
+    the other side closes them: a watcher reads our death from their end
+    (``PresenceWatch``).
     """
 
     def __init__(self) -> None:
@@ -49,21 +58,138 @@ class PresenceListener:
         except OSError:  # no IPv6 on this host
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.bind(("", 0))
-        sock.listen(64)
+        sock.listen(socket.SOMAXCONN)  # a new watcher of 1,024 nodes: all connect at once
         sock.setblocking(False)
         self._sock = sock
+        self._held = selectors.DefaultSelector()
         self.port: int = sock.getsockname()[1]
 
     def drain(self) -> None:
+        """Accept what waits; close the held connections whose other side closed."""
         while True:
             try:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, OSError):
-                return
-            conn.close()
+                break
+            conn.setblocking(False)
+            self._held.register(conn, selectors.EVENT_READ, conn)
+        for key, _ in self._held.select(timeout=0):
+            held: socket.socket = key.data
+            try:
+                if held.recv(64):
+                    continue  # nobody sends: ignore it
+            except BlockingIOError:
+                continue
+            except OSError:
+                pass
+            self._held.unregister(held)
+            held.close()
 
     def close(self) -> None:
+        """Idempotent."""
+        held = self._held.get_map()
+        for key in list(held.values()) if held is not None else []:
+            key.fileobj.close()  # type: ignore[union-attr]
+        self._held.close()
         self._sock.close()
+
+
+class PresenceWatch:
+    """Connections held to the presence ports of the nodes a keeper watches; each
+    :meth:`gone_among` tells, without waiting, which agents are gone for sure: the
+    connection was refused (nobody listens) or ended (the agent's process died, and its
+    kernel closed it). A connection that cannot be made (a silent machine) is tried again
+    at a later call. Not thread-safe: the keeper's tick calls it."""
+
+    def __init__(self) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._conns: dict[tuple[str, int], socket.socket] = {}
+        self._gone: set[tuple[str, int]] = set()
+        self._fd_room = _fd_room()
+        self._told_room = False
+
+    def gone_among(self, targets: Mapping[str, tuple[str, int]]) -> frozenset[str]:
+        """Of ``targets`` (node -> address and presence port), those found gone; holds a
+        connection to each of the others from now on, and drops those to anyone else."""
+        wanted = set(targets.values())
+        for key in [k for k in self._conns if k not in wanted]:
+            self._drop(key)
+        for key in wanted - self._conns.keys() - self._gone:
+            if len(self._conns) < self._fd_room:
+                self._connect(key)
+            elif not self._told_room:
+                self._told_room = True
+                logger.warning("etcd-ext: watching more nodes than the open-files limit lets "
+                               "this agent hold connections to (%d); the others' deaths are "
+                               "found by their heartbeat. Raise `ulimit -n` to find every "
+                               "killed agent at once", self._fd_room)
+        for selected, events in self._selector.select(timeout=0):
+            self._settle(selected.data, events)
+        self._gone &= wanted
+        return frozenset(node for node, key in targets.items() if key in self._gone)
+
+    def _connect(self, key: tuple[str, int]) -> None:
+        try:
+            family, kind, proto, _, addr = socket.getaddrinfo(*key, type=socket.SOCK_STREAM)[0]
+            sock = socket.socket(family, kind, proto)
+        except OSError:
+            return  # an address we cannot use: judged by its heartbeat alone
+        sock.setblocking(False)
+        code = sock.connect_ex(addr)
+        if code == errno.ECONNREFUSED:
+            sock.close()
+            self._found_gone(key)
+            return
+        if code not in (0, errno.EINPROGRESS):
+            sock.close()  # no route, say: tried again at the next call
+            return
+        self._conns[key] = sock
+        self._selector.register(sock, selectors.EVENT_WRITE if code else selectors.EVENT_READ,
+                                key)
+
+    def _settle(self, key: tuple[str, int], events: int) -> None:
+        sock = self._conns[key]
+        if events & selectors.EVENT_WRITE:  # the connect finished, one way or the other
+            code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if code == 0:
+                self._selector.modify(sock, selectors.EVENT_READ, key)
+                return
+            self._drop(key)
+            if code == errno.ECONNREFUSED:
+                self._found_gone(key)
+            return
+        try:
+            if sock.recv(64):
+                return  # nobody sends: ignore it
+        except BlockingIOError:
+            return
+        except OSError:
+            pass  # reset: the other end is gone too
+        self._drop(key)
+        self._found_gone(key)
+
+    def _found_gone(self, key: tuple[str, int]) -> None:
+        logger.info("etcd-ext: the agent at %s:%d is gone (its presence port closed)", *key)
+        self._gone.add(key)
+
+    def _drop(self, key: tuple[str, int]) -> None:
+        sock = self._conns.pop(key)
+        self._selector.unregister(sock)
+        sock.close()
+
+    def close(self) -> None:
+        for key in list(self._conns):
+            self._drop(key)
+        self._selector.close()
+
+
+def _fd_room() -> int:
+    """How many connections a watch may hold: half the soft limit on open files, less
+    room for the rest. Never raised here: the workers inherit the agent's limits."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(0, min(soft, 1 << 20) // 2 - 256)
 
 
 def _dial(addr: str, port: int, timeout: float) -> str:
@@ -83,24 +209,13 @@ def refuses(addr: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool:
 
 
 class PresenceProbe:
-    """Which nodes are gone for sure, probing each at most every ``REPROBE_AFTER_S``.
+    """Which nodes are gone for sure, probing each at most every ``REPROBE_AFTER_S``, for
+    the rendezvous, which needs the answer before it can close a round."""
 
-    ``gone_among`` probes now, in parallel, and waits (the rendezvous, which needs the
-    answer before it can close a round); ``probe_later`` returns at once and probes on the
-    probe's own threads (the keeper, whose tick and lock must never wait on a silent
-    machine), calling ``on_gone`` when a node turns out gone, and ``known_gone`` says what
-    the probes found so far. At most ``PROBE_THREADS`` probes run at a time, each at most
-    ``PROBE_TIMEOUT_S``: a probe that would queue behind them is left for a later call.
-    """
-
-    def __init__(self, on_gone: Callable[[], None] | None = None) -> None:
-        self._on_gone = on_gone
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._gone: set[tuple[str, int]] = set()
         self._probed_at: dict[tuple[str, int], float] = {}
-        self._in_flight: set[tuple[str, int]] = set()
-        self._pool: ThreadPoolExecutor | None = None
-        self._closed = False
 
     def known_gone(self, addr: str, port: int) -> bool:
         """Whether a probe already found nobody listening at ``addr:port``."""
@@ -110,56 +225,28 @@ class PresenceProbe:
     def gone_among(self, targets: Mapping[str, tuple[str, int]]) -> frozenset[str]:
         """Of ``targets`` (node -> address and port), those whose port refuses now, probed
         in parallel: the call takes about ``PROBE_TIMEOUT_S`` however many are silent."""
-        claimed = [key for key in set(targets.values()) if self._claim(key, capped=False)]
+        claimed = [key for key in set(targets.values()) if self._claim(key)]
         if claimed:
             with ThreadPoolExecutor(max_workers=min(_REACH_THREADS, len(claimed))) as pool:
                 list(pool.map(self._probe, claimed))
         return frozenset(node for node, key in targets.items() if self.known_gone(*key))
 
-    def probe_later(self, addr: str, port: int) -> None:
-        """Probe ``addr:port`` on the probe's threads unless it is known gone, being probed,
-        was probed within ``REPROBE_AFTER_S``, or ``PROBE_THREADS`` probes are running;
-        never waits."""
-        if not self._claim((addr, port), capped=True):
-            return
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=PROBE_THREADS,
-                                                thread_name_prefix="etcd-ext-probe")
-            self._pool.submit(self._probe, (addr, port))
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
-
-    def _claim(self, key: tuple[str, int], *, capped: bool) -> bool:
-        """Whether to probe ``key`` now; if so, it counts as in flight from here."""
+    def _claim(self, key: tuple[str, int]) -> bool:
+        """Whether to probe ``key`` now (not known gone, not probed moments ago)."""
         now = time.monotonic()
         with self._lock:
-            if self._closed or key in self._gone or key in self._in_flight \
-                    or (capped and len(self._in_flight) >= PROBE_THREADS) \
-                    or now - self._probed_at.get(key, -REPROBE_AFTER_S) < REPROBE_AFTER_S:
+            if key in self._gone or now - self._probed_at.get(key, -REPROBE_AFTER_S) \
+                    < REPROBE_AFTER_S:
                 return False
             self._probed_at[key] = now
-            self._in_flight.add(key)
             return True
 
     def _probe(self, key: tuple[str, int]) -> None:
-        try:
-            gone = refuses(*key)
-        finally:
+        if refuses(*key):
+            logger.info("etcd-ext: nobody listens at %s:%d any more: not waiting for that "
+                        "node", *key)
             with self._lock:
-                self._in_flight.discard(key)
-        if not gone:
-            return
-        logger.info("etcd-ext: nobody listens at %s:%d any more: not waiting for that node", *key)
-        with self._lock:
-            self._gone.add(key)
-        if self._on_gone is not None:
-            self._on_gone()
+                self._gone.add(key)
 
 
 def answers(addr: str, port: int, timeout: float = REACH_TIMEOUT_S) -> bool:

@@ -176,6 +176,10 @@ class MeasuredBackend(StoreBackend):
         return self._inner.outages_are_transient
 
     @property
+    def heartbeats_expire(self) -> bool:
+        return self._inner.heartbeats_expire
+
+    @property
     def hosts_store(self) -> bool:
         return self._inner.hosts_store
 

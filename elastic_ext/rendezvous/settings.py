@@ -32,6 +32,9 @@ CONF_KEYS: dict[str, tuple[str, str]] = {
     "close_timeout": ("10", "seconds `shutdown` and `set_closed` keep trying to reach the store"),
     "heartbeat_interval": ("0.5", "seconds between an agent's heartbeats"),
     "heartbeat_timeout": ("3.0", "a node whose heartbeat has not changed for this long is dead"),
+    "heartbeat": ("write", "`write`: each agent writes its heartbeat every interval; `lease` "
+                           "(etcd only): it renews an etcd lease instead and the others watch "
+                           "its key (fewer requests; see docs/failure-model.md)"),
     "request_timeout": ("2.0", "seconds one etcd request may take before the next endpoint "
                                "is tried"),
     "connect_timeout": ("15", "seconds one store operation keeps retrying across endpoints; "
@@ -115,6 +118,7 @@ class Settings:
     metrics_port: int | None = None
     warm_start: bool = True
     warm_preload: tuple[str, ...] = ()
+    heartbeat: str = "write"  # or "lease" (etcd)
 
     @property
     def run_prefix(self) -> str:
@@ -303,6 +307,13 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
     if timeouts.heartbeat > timeouts.join:
         raise ConfigError("--rdzv-conf heartbeat_timeout must not exceed join_timeout")
 
+    heartbeat = str(conf.get("heartbeat", "write")).lower()
+    if heartbeat not in {"write", "lease"}:
+        raise ConfigError(f"--rdzv-conf heartbeat={heartbeat!r} must be write or lease")
+    if heartbeat == "lease" and store != "etcd":
+        raise ConfigError("--rdzv-conf heartbeat=lease needs etcd (the embedded store has no "
+                          "leases); use heartbeat=write")
+
     max_restarts = default_max_restarts
     if "max_restarts" in conf:
         max_restarts = int(_number("max_restarts", conf["max_restarts"], minimum=0, integer=True))
@@ -321,4 +332,5 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
         if str(conf.get("metrics_port", "")).strip() else None,
         warm_start=_on_off("warm_start", conf.get("warm_start", "on")),
         warm_preload=_module_list("warm_preload", str(conf.get("warm_preload", ""))),
+        heartbeat=heartbeat,
     )

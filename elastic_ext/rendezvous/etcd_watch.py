@@ -1,0 +1,124 @@
+"""The run's keys as etcd's watches deliver them: reading them costs no request.
+
+One stream per watch, through the gateway (``EtcdClient.watch``); each agent holds two, the
+run's state and the heartbeat keys its keeper watches (``etcd_backend``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from elastic_ext.rendezvous.backend import STATE_POLL_S
+from elastic_ext.rendezvous.errors import StoreUnavailableError
+from elastic_ext.rendezvous.etcd_client import EtcdClient, KeyValue
+
+logger = logging.getLogger(__name__)
+
+
+class WatchedKeys:
+    """One key, or the keys under a prefix, as one etcd watch delivers them for the life
+    of the backend: reading them costs no request, and each change reaches the agent once,
+    with its value. ``latest`` is the newest change (a single key: its ``mod_revision``, or
+    the revision of its deletion)."""
+
+    IDLE_S = 30.0  # a stream silent this long is opened anew (a half-open connection)
+
+    def __init__(self, client: EtcdClient, key: str, *, prefix: bool = False) -> None:
+        self.key, self.prefix = key, prefix
+        self._client = client
+        self._changed = threading.Condition()
+        self._latest: tuple[int, KeyValue | None] | None = None  # (revision, key or None)
+        self._keys: dict[bytes, KeyValue] = {}
+        self._current = False  # read and watched now: False before that and after a break
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, name="etcd-ext-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                kvs, revision = self._client.read_range(self.key, prefix=self.prefix)
+                with self._changed:
+                    self._keys = {kv.key: kv for kv in kvs}
+                    self._current = True
+                single = kvs[0] if kvs and not self.prefix else None
+                self._publish(single.mod_revision if single else revision, None, single)
+                for change in self._client.watch(self.key, revision + 1, self.IDLE_S,
+                                                 self._stop, prefix=self.prefix):
+                    self._publish(*change)
+            except Exception as exc:  # etcd down or moving: read it again in a moment
+                logger.debug("etcd-ext: watch of %s: %s", self.key, exc)
+                with self._changed:
+                    self._current = False
+                self._stop.wait(STATE_POLL_S)
+
+    def _publish(self, revision: int, key: bytes | None, kv: KeyValue | None) -> None:
+        with self._changed:
+            if key is not None:
+                if kv is None:
+                    self._keys.pop(key, None)
+                else:
+                    self._keys[key] = kv
+            if self._latest is None or revision >= self._latest[0]:
+                self._latest = (revision, kv)
+            self._changed.notify_all()
+
+    def wait_past(self, revision: int | None, timeout: float
+                  ) -> tuple[int, KeyValue | None] | None:
+        """The latest change after ``revision`` (None: whatever is known), waiting up to
+        ``timeout`` seconds for one; None if none came."""
+        with self._changed:
+            if self._changed.wait_for(lambda: self._latest is not None and (
+                    revision is None or self._latest[0] > revision), timeout):
+                return self._latest
+            return None
+
+    def current(self, timeout: float) -> dict[bytes, KeyValue]:
+        """The keys as the watch has them, waiting up to ``timeout`` for a first read.
+
+        Raises:
+            StoreUnavailableError: the keys are not being watched (etcd unreachable): what
+                we have may be stale.
+        """
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._current, timeout):
+                raise StoreUnavailableError(f"no current watch of {self.key} within "
+                                            f"{timeout:g}s")
+            return dict(self._keys)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+
+@dataclass
+class SharedFeeds:
+    """The watches of a backend and its clones (the keeper's), one of each per agent: the
+    run's state, and the heartbeat keys the keeper watches."""
+
+    state: WatchedKeys | None = None
+    beats: WatchedKeys | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def state_feed(self, client: EtcdClient, key: str) -> WatchedKeys:
+        with self.lock:
+            if self.state is None:
+                self.state = WatchedKeys(client, key)
+            return self.state
+
+    def beats_feed(self, client: EtcdClient, key: str, prefix: bool) -> WatchedKeys:
+        """The watch of ``key`` (or every key under it), replacing a watch of other keys."""
+        with self.lock:
+            if self.beats is None or (self.beats.key, self.beats.prefix) != (key, prefix):
+                if self.beats is not None:
+                    self.beats.close()
+                self.beats = WatchedKeys(client, key, prefix=prefix)
+            return self.beats
+
+    def close(self) -> None:
+        with self.lock:
+            for feed in (self.state, self.beats):
+                if feed is not None:
+                    feed.close()
+            self.state = self.beats = None
