@@ -1,7 +1,9 @@
 """A node that only beats, as an etcd-ext agent's keeper does: its heartbeat in etcd every
 half second, with the port it listens on for presence probes. For tests of the watcher.
 
-    python tests/support/beating_node.py NODE ENDPOINT RUN_ID
+    python tests/support/beating_node.py NODE ENDPOINT RUN_ID [HEARTBEAT]
+
+HEARTBEAT is ``write`` (the default) or ``lease`` (``--rdzv-conf heartbeat=``).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ INTERVAL_S = 0.5  # the default heartbeat_interval
 
 def main() -> None:
     node, endpoint, run_id = sys.argv[1:4]
+    heartbeat = sys.argv[4] if len(sys.argv) > 4 else "write"
     settings = parse_settings(endpoint=endpoint, run_id=run_id, min_nodes=1, max_nodes=64,
-                              conf={})
+                              conf={"heartbeat": heartbeat})
     backend = EtcdBackend.connect(settings)
     listener = PresenceListener()
     while True:

@@ -1,0 +1,85 @@
+"""``heartbeat=lease`` on a real etcd (issue 27): the lease is the heartbeat.
+
+A frozen agent's key is gone within ``heartbeat_timeout`` (its lease expired) and comes
+back when it thaws; an etcd leader change expires nobody (the new leader extends every
+lease). The agents are processes that only beat (``tests/support/beating_node.py``); the
+watcher reads as a keeper does (``keeper_read``), from its watch of the key.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_ext.local.processes import ProcessSet, wait_until
+from elastic_ext.rendezvous.etcd_backend import EtcdBackend
+from elastic_ext.rendezvous.etcd_client import EtcdClient
+from tests.support.stores import settings_for
+from tests.support.trainer_runs import env
+
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120)]
+
+BEATING_NODE = Path(__file__).parent / "support" / "beating_node.py"
+REPO = Path(__file__).parent.parent
+TIMEOUT_S = 3.0  # the default heartbeat_timeout: a lease TTL of 2 s
+
+
+def watched(watcher: EtcdBackend, node: str) -> bytes | None:
+    return watcher.keeper_read("watcher", None, [node]).beats[node]
+
+
+def test_a_frozen_agents_lease_expires_within_the_heartbeat_timeout_and_it_comes_back(
+        processes: ProcessSet, etcd) -> None:
+    endpoint = etcd.members[0].endpoint
+    node = processes.spawn("n1", [sys.executable, str(BEATING_NODE), "n1", endpoint, "run1",
+                                  "lease"], env=env(), cwd=REPO)
+    watcher = EtcdBackend(settings_for(endpoint, heartbeat="lease"))
+    try:
+        first = wait_until(lambda: watched(watcher, "n1"), 30, what="n1's leased heartbeat")
+        time.sleep(2.5)  # longer than the TTL: the lease is renewed, not just granted
+        assert watched(watcher, "n1") == first  # present, and its value never moved
+        os.killpg(node.popen.pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        wait_until(lambda: watched(watcher, "n1") is None, 10, 0.02, "n1's key gone")
+        found = time.monotonic() - frozen_at
+        assert found <= TIMEOUT_S, f"a frozen node's key went after {found:.2f}s"
+        os.killpg(node.popen.pid, signal.SIGCONT)
+        back = wait_until(lambda: watched(watcher, "n1"), 10, what="n1 back")
+        assert back != first  # announced anew on a new lease
+    finally:
+        with_continue(node.popen.pid)
+        watcher.close()
+
+
+def with_continue(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.mark.timeout(180)
+def test_an_etcd_leader_change_expires_no_lease(etcd_cluster, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="elastic_ext.rendezvous.etcd_lease")
+    settings = settings_for(etcd_cluster.endpoints, heartbeat="lease", connect_timeout="15")
+    agent = EtcdBackend(settings)
+    agent.beat("n1", 4242)
+    client = EtcdClient(settings)
+    key = settings.run_prefix + "hb/n1"
+    before = client.get(key)
+    assert before is not None
+    etcd_cluster.stop_member(etcd_cluster.leader())
+    # the new leader is in office within a few election timeouts; give the lease three TTLs
+    # of keep-alives through it (each renews from the leader's own clock)
+    time.sleep(6.0)
+    after = client.get(key)
+    assert after is not None and after.create_revision == before.create_revision, \
+        "the heartbeat key was deleted and put again: the lease expired"
+    assert "lease expired" not in caplog.text
+    agent.close()
