@@ -72,34 +72,31 @@ def keepalive_request(lease: int) -> bytes:
     return b"\x08" + varint(lease)
 
 
+def read_varint(data: bytes, at: int) -> tuple[int, int]:
+    """The varint at ``at`` and the offset after it."""
+    value, shift = 0, 0
+    while True:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, at
+
+
 def ttl_of(reply: bytes) -> int:
     """``LeaseKeepAliveResponse.TTL`` (field 3, varint); 0 when absent (lease gone)."""
-    i, ttl = 0, 0
-    while i < len(reply):
-        tag = reply[i]
-        i += 1
+    at, ttl = 0, 0
+    while at < len(reply):
+        tag, at = read_varint(reply, at)
         field, kind = tag >> 3, tag & 7
         if kind == 0:
-            value, shift = 0, 0
-            while True:
-                byte = reply[i]
-                i += 1
-                value |= (byte & 0x7F) << shift
-                shift += 7
-                if not byte & 0x80:
-                    break
+            value, at = read_varint(reply, at)
             if field == 3:
                 ttl = value
         elif kind == 2:  # the header: length-delimited, skipped
-            length, shift = 0, 0
-            while True:
-                byte = reply[i]
-                i += 1
-                length |= (byte & 0x7F) << shift
-                shift += 7
-                if not byte & 0x80:
-                    break
-            i += length
+            length, at = read_varint(reply, at)
+            at += length
         else:
             raise ValueError(f"unexpected wire type {kind}")
     return ttl

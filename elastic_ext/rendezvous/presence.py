@@ -75,15 +75,9 @@ class PresenceListener:
             self._held.register(conn, selectors.EVENT_READ, conn)
         for key, _ in self._held.select(timeout=0):
             held: socket.socket = key.data
-            try:
-                if held.recv(64):
-                    continue  # nobody sends: ignore it
-            except BlockingIOError:
-                continue
-            except OSError:
-                pass
-            self._held.unregister(held)
-            held.close()
+            if _ended(held):
+                self._held.unregister(held)
+                held.close()
 
     def close(self) -> None:
         """Idempotent."""
@@ -92,6 +86,17 @@ class PresenceListener:
             key.fileobj.close()  # type: ignore[union-attr]
         self._held.close()
         self._sock.close()
+
+
+def _ended(sock: socket.socket) -> bool:
+    """Whether a readable held connection was closed (or reset) by its other end; nobody
+    sends on one, so anything read is ignored."""
+    try:
+        return not sock.recv(64)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 class PresenceWatch:
@@ -158,15 +163,9 @@ class PresenceWatch:
             if code == errno.ECONNREFUSED:
                 self._found_gone(key)
             return
-        try:
-            if sock.recv(64):
-                return  # nobody sends: ignore it
-        except BlockingIOError:
-            return
-        except OSError:
-            pass  # reset: the other end is gone too
-        self._drop(key)
-        self._found_gone(key)
+        if _ended(sock):
+            self._drop(key)
+            self._found_gone(key)
 
     def _found_gone(self, key: tuple[str, int]) -> None:
         logger.info("etcd-ext: the agent at %s:%d is gone (its presence port closed)", *key)
