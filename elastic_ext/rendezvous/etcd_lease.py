@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
+
 from elastic_ext.rendezvous.backend import STATE_POLL_S, heartbeat_value
 from elastic_ext.rendezvous.errors import StoreUnavailableError
 from elastic_ext.rendezvous.etcd_client import EtcdClient, op_put
@@ -99,16 +101,16 @@ class AgentLease:
         return [] if self.id is None or self._node is None else [self.beat_op()]
 
     def retry(self, write: Callable[[], _T]) -> _T:
-        """``write``, once more after a "lease not found": the lease expired while etcd was
-        out of reach, or it was revoked on leaving (then the write beats no more)."""
-        try:
-            return write()
-        except StoreUnavailableError as exc:
-            if "lease not found" not in str(exc):
-                raise
+        """``write``, again after a "lease not found" (three tries): the lease expired while
+        etcd was out of reach or overloaded (even between its grant and the put of the key
+        on it), or it was revoked on leaving (then the write beats no more)."""
+        def forget(_: RetryCallState) -> None:
             with self.lock:
                 self.id = None
-            return write()
+        retrying = Retrying(stop=stop_after_attempt(3), reraise=True, after=forget,
+                            retry=retry_if_exception(lambda exc: isinstance(
+                                exc, StoreUnavailableError) and "lease not found" in str(exc)))
+        return retrying(write)
 
     def end(self) -> int | None:
         """The agent leaves: no heartbeat after this. The lease id, for the caller to
