@@ -59,7 +59,6 @@ import logging
 import math
 import os
 import queue
-import re
 import shutil
 import signal
 import statistics
@@ -76,6 +75,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from elastic_ext.local.etcd import received_requests
 from elastic_ext.net import free_ports
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # python -m benchmarks.NAME
@@ -286,15 +286,7 @@ class Etcd:
 
     def requests(self) -> Counter[str]:
         """Messages etcd's gRPC server received so far, by method."""
-        with _http.open(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as reply:
-            text = reply.read().decode()
-        counts: Counter[str] = Counter()
-        for line in text.splitlines():
-            if line.startswith("grpc_server_msg_received_total{"):
-                labels, value = line.rsplit(" ", 1)
-                method = re.search(r'grpc_method="([^"]*)"', labels)
-                counts[method[1] if method else "?"] += int(float(value))
-        return counts
+        return received_requests(f"http://127.0.0.1:{self.port}")
 
     def cpu(self) -> float | None:
         return cpu_seconds(self.proc.pid)

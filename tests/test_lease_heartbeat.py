@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
-import requests
 
+from elastic_ext.local.etcd import received_requests
 from elastic_ext.local.processes import ProcessSet, wait_until
 from elastic_ext.rendezvous.etcd_backend import EtcdBackend
 from elastic_ext.rendezvous.etcd_client import EtcdClient
@@ -88,18 +86,6 @@ def test_an_etcd_leader_change_expires_no_lease(etcd_cluster, caplog) -> None:
     agent.close()
 
 
-def etcd_requests(endpoint: str) -> Counter[str]:
-    """Messages etcd's gRPC server received so far, by method (its ``/metrics``)."""
-    text = requests.get(f"http://{endpoint}/metrics", timeout=5).text
-    counts: Counter[str] = Counter()
-    for line in text.splitlines():
-        if line.startswith("grpc_server_msg_received_total{"):
-            labels, value = line.rsplit(" ", 1)
-            method = re.search(r'grpc_method="([^"]*)"', labels)
-            counts[method[1] if method else "?"] += int(float(value))
-    return counts
-
-
 def test_an_idle_leased_keeper_asks_etcd_for_nothing_but_keep_alives(etcd) -> None:
     """Issue 27's load target (1.2 requests per agent per second idle; written heartbeats
     cost 2): a keeper's tick reads from watches, and only the lease's own thread asks."""
@@ -110,11 +96,12 @@ def test_an_idle_leased_keeper_asks_etcd_for_nothing_but_keep_alives(etcd) -> No
         other.beat("n1", 4242)
         agent.beat("me", 4343)
         agent.keeper_read("me", 4343, ["n1"])  # opens its watches
-        before, began = etcd_requests(endpoint), time.monotonic()
+        metrics = etcd.members[0].client_url
+        before, began = received_requests(metrics), time.monotonic()
         for _ in range(10):  # five seconds of keeper ticks
             assert agent.keeper_read("me", 4343, ["n1"]).beats["n1"] is not None
             time.sleep(0.5)
-        used, elapsed = etcd_requests(endpoint) - before, time.monotonic() - began
+        used, elapsed = received_requests(metrics) - before, time.monotonic() - began
         assert set(used) <= {"LeaseKeepAlive"}, used
         per_agent = used["LeaseKeepAlive"] / 2 / elapsed  # two agents renew their leases
         assert per_agent <= 1.0 / (2 / 3) + 0.1, used  # one per third of a 2 s TTL

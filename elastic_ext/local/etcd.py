@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import subprocess
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -144,3 +146,17 @@ def run_etcdctl(cluster: EtcdCluster, *args: str) -> str:
     return subprocess.run([ctl, f"--endpoints={cluster.endpoints}", *args], check=True,
                           capture_output=True, text=True, timeout=30,
                           env={"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin"}).stdout
+
+
+def received_requests(client_url: str) -> Counter[str]:
+    """Messages the etcd at ``client_url`` received so far, by gRPC method (its
+    ``/metrics``: unary calls and stream messages alike, through the gateway or not)."""
+    text = requests.get(f"{client_url}/metrics", timeout=10,
+                        proxies={"http": "", "https": ""}).text
+    counts: Counter[str] = Counter()
+    for line in text.splitlines():
+        if line.startswith("grpc_server_msg_received_total{"):
+            labels, value = line.rsplit(" ", 1)
+            method = re.search(r'grpc_method="([^"]*)"', labels)
+            counts[method[1] if method else "?"] += int(float(value))
+    return counts
