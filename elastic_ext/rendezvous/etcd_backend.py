@@ -255,10 +255,10 @@ class EtcdBackend(StoreBackend):
             except StoreUnavailableError as exc:
                 if "lease not found" not in str(exc):
                     raise
-        self._client.put_if_exists(f"{self._prefix}hb/{node}", LEFT, guard=self._state_key)
+        self._client.put_if_exists(self._hb_prefix + node, LEFT, guard=self._state_key)
 
     def read_beats(self, nodes: Iterable[str]) -> dict[str, bytes | None]:
-        hb_prefix = f"{self._prefix}hb/"
+        hb_prefix = self._hb_prefix
         nodes = list(nodes)
         if len(nodes) <= 8:  # a few keys: read those, not every node's
             values = self._client.multi_get([hb_prefix + n for n in nodes])
