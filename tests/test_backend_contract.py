@@ -311,6 +311,35 @@ def test_the_state_version_changes_with_every_write_and_a_write_wakes_a_waiter(
     assert a.wait_for_state(token, 10.0, clock)  # changed before the wait began: at once
 
 
+def test_a_state_write_elsewhere_calls_the_change_callback_of_a_backend_and_its_clone(
+        make_backend) -> None:
+    """What wakes the keeper at a state change instead of at its next tick."""
+    a, b = make_backend(), make_backend()
+    _, token, _ = set_state(a, b"x")
+    calls = [0, 0]
+
+    def count(i: int) -> Callable[[], None]:
+        return lambda: calls.__setitem__(i, calls[i] + 1)
+    a.on_state_change(count(0))
+    a.clone().on_state_change(count(1))
+    _, token, _ = set_state(b, b"y", token)
+    # Quiet first: a store that notifies may also call as it starts watching.
+    deadline, seen, quiet_since = time.monotonic() + 5.0, list(calls), time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - quiet_since < 0.5:
+        time.sleep(0.02)
+        if calls != seen:
+            seen, quiet_since = list(calls), time.monotonic()
+    assert all(calls), f"a write by another connection called no callback: {calls}"
+    before = list(calls)
+    set_state(b, b"z", token)
+    deadline = time.monotonic() + 5.0
+    while not all(n > m for n, m in zip(calls, before, strict=True)) \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(n > m for n, m in zip(calls, before, strict=True)), (before, calls)
+    a.close()
+
+
 def test_a_keeper_read_beats_and_reads_what_a_keeper_needs(make_backend) -> None:
     a, b = make_backend(), make_backend()
     b.beat("other", 4242)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,6 +187,13 @@ class StoreBackend(ABC):
             if clock.monotonic() >= deadline:
                 return False
             clock.sleep(min(STATE_POLL_S, max(0.0, deadline - clock.monotonic())))
+
+    def on_state_change(self, callback: Callable[[], None]) -> None:  # noqa: B027
+        """Have ``callback`` called, on another thread, after each state write this agent
+        learns of without a request (etcd's watch of the state, the embedded store's write
+        feed; a backend and its clones share one), so that the keeper acts on a change when
+        it happens, not at its next tick. ``callback`` must return at once. Stores that
+        cannot notify never call it (the default). Never raises."""
 
     def state_after(self, version: object | None) -> tuple[bytes, Token] | None:
         """The state as of ``version`` (what ``state_version`` or ``keeper_read`` gave) or

@@ -34,6 +34,7 @@ from elastic_ext.rendezvous.backend import (
 )
 from elastic_ext.rendezvous.c10d_feed import (
     STATE_SEQ,
+    SharedWriteFeed,
     WriteFeed,
     announce_write,
     read_count,
@@ -108,7 +109,7 @@ class C10dBackend(StoreBackend):
     """The run's keys on the embedded TCPStore; see :class:`StoreBackend` for the contract."""
 
     def __init__(self, settings: Settings, store: TCPStore, *, hosts_store: bool = False,
-                 left: set[str] | None = None) -> None:
+                 left: set[str] | None = None, feed: SharedWriteFeed | None = None) -> None:
         self._settings = settings
         # Nodes this agent marked left, shared with the clones: a late heartbeat (a keeper
         # thread that outlived its stop) must not overwrite LEFT.
@@ -120,7 +121,8 @@ class C10dBackend(StoreBackend):
         self._beats = 0
         self._seq_at: tuple[bytes, int] = (b"", -1)  # a state read and the write count before it
         self._key_root = settings.run_prefix + "/"  # this run's keys as the TCPStore names them
-        self._feed: WriteFeed | None = None  # started by the first wait_for_state
+        self._feed = feed or SharedWriteFeed()  # started when first waited on; clones share it
+        self._owns_feed = feed is None
 
     @classmethod
     def connect(cls, settings: Settings, *, may_host: bool = True) -> C10dBackend:
@@ -176,15 +178,19 @@ class C10dBackend(StoreBackend):
         if token is None or self._seq_at[0] != token:
             return super().wait_for_state(token, timeout, clock)  # reads the state itself
         seq = self._seq_at[1]
-        if self._feed is None:
-            self._feed = WriteFeed(lambda: self.clone()._store, poke=self._store)
-        if self._feed.wait_past(seq, timeout):
+        if self._write_feed().wait_past(seq, timeout):
             return True
         try:
             return bool(self._run("state_version",
                                  lambda: read_count(self._store, STATE_SEQ)) != seq)
         except StoreUnavailableError:
             return True
+
+    def _write_feed(self) -> WriteFeed:
+        return self._feed.get(lambda: self.clone()._store, poke=self._store)
+
+    def on_state_change(self, callback: Callable[[], None]) -> None:
+        self._write_feed().add_listener(callback)
 
     def set_state(self, state: bytes, token: Token | None = None
                   ) -> tuple[bytes, Token, bool] | None:
@@ -349,7 +355,7 @@ class C10dBackend(StoreBackend):
         return sorted({k[len(root):].split("/", 1)[0] for k in keys if k.startswith(root)})
 
     def close(self) -> None:
-        if self._feed is not None:
+        if self._owns_feed:
             self._feed.close()
 
     def clone(self) -> C10dBackend:
@@ -358,4 +364,4 @@ class C10dBackend(StoreBackend):
             client = TCPStore(endpoint.host, self._tcp.port, is_master=False,
                               wait_for_workers=False, multi_tenant=True,
                               timeout=timedelta(seconds=self._settings.timeouts.connect))
-        return C10dBackend(self._settings, client, left=self._left)
+        return C10dBackend(self._settings, client, left=self._left, feed=self._feed)

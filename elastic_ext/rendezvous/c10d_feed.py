@@ -88,6 +88,7 @@ class WriteFeed:
         self._count: int | None = None
         self._broken = False
         self._stop = threading.Event()
+        self._listeners: list[Callable[[], None]] = []
         self._thread = threading.Thread(target=self._run, name="etcd-ext-state-wait",
                                         daemon=True)
         _OPEN.add(self)
@@ -99,8 +100,11 @@ class WriteFeed:
             while not self._stop.is_set():
                 count = read_count(store, STATE_SEQ)
                 with self._changed:
-                    self._count = count
+                    moved, self._count = count != self._count, count
                     self._changed.notify_all()
+                    listeners = list(self._listeners) if moved else []
+                for listener in listeners:
+                    listener()
                 try:
                     store.wait([f"{CHANGED}{count + 1}"], timedelta(seconds=self.WAIT_S))
                 except DistStoreError as exc:
@@ -112,6 +116,11 @@ class WriteFeed:
             with self._changed:
                 self._broken = True
                 self._changed.notify_all()
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the feed's thread) each time the count moves."""
+        with self._changed:
+            self._listeners.append(callback)
 
     def wait_past(self, count: int, timeout: float) -> bool:
         """True once a write after the ``count``-th is known, or the store broke; False
@@ -143,6 +152,27 @@ class WriteFeed:
         if self._thread.is_alive():
             logger.warning("etcd-ext: the wait on the embedded store's state did not end "
                            "within %.0fs of closing", self.JOIN_S)
+
+
+class SharedWriteFeed:
+    """The ``WriteFeed`` of a backend and its clones (the keeper's), started when first
+    needed: one waiting connection per agent, not one per thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._feed: WriteFeed | None = None
+
+    def get(self, connect: Callable[[], CountingStore], poke: CountingStore) -> WriteFeed:
+        with self._lock:
+            if self._feed is None:
+                self._feed = WriteFeed(connect, poke)
+            return self._feed
+
+    def close(self) -> None:
+        with self._lock:
+            feed, self._feed = self._feed, None
+        if feed is not None:
+            feed.close()
 
 
 _OPEN: weakref.WeakSet[WriteFeed] = weakref.WeakSet()

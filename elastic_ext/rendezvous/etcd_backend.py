@@ -13,7 +13,7 @@ a watch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -125,6 +125,9 @@ class EtcdBackend(StoreBackend):
         if kv is None:
             return after is not None  # deleted (or still absent: nothing new)
         return unwrap_state(kv.value), revision
+
+    def on_state_change(self, callback: Callable[[], None]) -> None:
+        self._feeds.state_feed(self._client, self._state_key).add_listener(callback)
 
     def state_after(self, version: object | None) -> tuple[bytes, Token] | None:
         """From the watch of the state the handler keeps (the keeper's clone shares it):

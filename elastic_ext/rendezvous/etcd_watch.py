@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from elastic_ext.rendezvous.backend import STATE_POLL_S
@@ -33,7 +34,13 @@ class WatchedKeys:
         self._keys: dict[bytes, KeyValue] = {}
         self._current = False  # read and watched now: False before that and after a break
         self._stop = threading.Event()
+        self._listeners: list[Callable[[], None]] = []
         threading.Thread(target=self._run, name="etcd-ext-watch", daemon=True).start()
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the watch's thread) after each change delivered."""
+        with self._changed:
+            self._listeners.append(callback)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -63,6 +70,9 @@ class WatchedKeys:
             if self._latest is None or revision >= self._latest[0]:
                 self._latest = (revision, kv)
             self._changed.notify_all()
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
 
     def wait_past(self, revision: int | None, timeout: float
                   ) -> tuple[int, KeyValue | None] | None:
@@ -89,7 +99,6 @@ class WatchedKeys:
 
     def close(self) -> None:
         self._stop.set()
-
 
 
 @dataclass

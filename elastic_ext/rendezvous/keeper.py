@@ -73,7 +73,7 @@ class Keeper:
         self._liveness = Liveness(timeout, clock.monotonic, expiring=backend.heartbeats_expire)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._wake = threading.Event()  # tick now: a notice to relay, or stop
+        self._wake = threading.Event()  # tick now: a state change, a notice to relay, or stop
         self._thread: threading.Thread | None = None
         self._round: tuple[str, int] | None = None
         self._pressure = Pressure()
@@ -179,6 +179,7 @@ class Keeper:
 
     # -- the thread ---------------------------------------------------------------------
     def start(self) -> None:
+        self._backend.on_state_change(self._wake.set)  # act on a change at once, not next tick
         self._thread = threading.Thread(target=self._run, name="etcd-ext-keeper", daemon=True)
         self._thread.start()
         self._notices.start()

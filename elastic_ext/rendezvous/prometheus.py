@@ -200,6 +200,9 @@ class MeasuredBackend(StoreBackend):
                        ) -> bool | tuple[bytes, Token]:
         return self._inner.wait_for_state(token, timeout, clock)  # waiting is no request time
 
+    def on_state_change(self, callback: Callable[[], None]) -> None:
+        self._inner.on_state_change(callback)
+
     def state_after(self, version: object | None) -> tuple[bytes, Token] | None:
         with self._metrics.request("state_after"):
             return self._inner.state_after(version)

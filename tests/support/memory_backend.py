@@ -8,7 +8,7 @@ for the real stores as far as the contract goes; the real-store tests stay for t
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 from torch.distributed import HashStore, Store
@@ -34,6 +34,7 @@ class MemoryStore:
         self.revision = 0
         self.down = False
         self.round_stores: dict[str, Store] = {}
+        self.state_listeners: dict[str, list[Callable[[], None]]] = {}  # run prefix -> callbacks
 
     def check_up(self) -> None:
         if self.down:
@@ -86,10 +87,19 @@ class MemoryBackend(StoreBackend):
             valid = token is None or (isinstance(token, int) and not isinstance(token, bool))
             current_revision = None if found is None else found[1]
             if valid and token == current_revision:
-                return state, self.store.put(key, wrap_state(state)), True
+                revision = self.store.put(key, wrap_state(state))
+                listeners = list(self.store.state_listeners.get(self._prefix, ()))
+        if valid and token == current_revision:
+            for listener in listeners:  # as a watch would, once the write is done
+                listener()
+            return state, revision, True
         if found is None:
             return None
         return unwrap_state(found[0]), found[1], False
+
+    def on_state_change(self, callback: Callable[[], None]) -> None:
+        with self.store.lock:
+            self.store.state_listeners.setdefault(self._prefix, []).append(callback)
 
     def state_version(self) -> object | None:
         with self.store.lock:
