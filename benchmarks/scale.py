@@ -75,7 +75,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from elastic_ext.local.etcd import received_requests
+from elastic_ext.local.etcd import received_requests, sent_bytes
 from elastic_ext.net import free_ports
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # python -m benchmarks.NAME
@@ -288,6 +288,10 @@ class Etcd:
         """Messages etcd's gRPC server received so far, by method."""
         return received_requests(f"http://127.0.0.1:{self.port}")
 
+    def sent_bytes(self) -> int:
+        """Bytes etcd sent its gRPC clients so far (the JSON gateway among them)."""
+        return sent_bytes(f"http://127.0.0.1:{self.port}")
+
     def cpu(self) -> float | None:
         return cpu_seconds(self.proc.pid)
 
@@ -337,6 +341,8 @@ class CaseResult:
     round2: Outcome = field(default_factory=Outcome)
     requests: Outcome = field(default_factory=Outcome)
     rate: Outcome = field(default_factory=Outcome)
+    change_requests: Outcome = field(default_factory=Outcome)  # round 2, per survivor
+    change_kb: Outcome = field(default_factory=Outcome)  # round 2, per survivor
     cpu_agents: Outcome = field(default_factory=Outcome)
     cpu_etcd: Outcome = field(default_factory=Outcome)
     false_restarts: int = 0
@@ -570,6 +576,8 @@ class Case:
             victim.expected_exit = True
         self.say("killing agent(s) of round-1 rank "
                  + ", ".join(str(self.agents[i].ranks[0][1]) for w in victims for i in w.agents))
+        requests_kill = self.etcd.requests() if self.etcd else Counter()
+        bytes_kill = self.etcd.sent_bytes() if self.etcd else 0
         t_kill = time.monotonic()
         for victim in victims:
             os.killpg(victim.proc.pid, signal.SIGKILL)
@@ -602,6 +610,12 @@ class Case:
             self.say(f"round 2: {no_round} after the kill; {self._noticed(survivors, t_kill)}")
             return
         result.round2.value = max(self.agents[i].ranks[-1][0] for i in survivors) - t_kill
+        if self.etcd:
+            change = self.etcd.requests() - requests_kill
+            result.change_requests.value = sum(change.values()) / len(survivors)
+            result.change_kb.value = (self.etcd.sent_bytes() - bytes_kill) / 1024 / len(survivors)
+            self.say(f"round change per survivor: {result.change_requests.value:.1f} requests "
+                     f"({self._top(change)}), {result.change_kb.value:.1f} KB from etcd")
         self.say(f"round 2 {result.round2.value:.2f}s after the kill; "
                  f"{self._noticed(survivors, t_kill)}"
                  + (f"; {early} agents saw num_nodes_waiting() > 0 before the kill"
@@ -670,7 +684,7 @@ def cell(outcomes: list[Outcome], digits: int = 2) -> str:
 def table(results: dict[tuple[int, str], list[CaseResult]], sizes: list[int],
           backends: list[str]) -> list[str]:
     columns = ["round 1 (s)", "round 2 (s)", "etcd requests round 1", "etcd requests/s idle",
-               "CPU s round 1"]
+               "round change per agent: requests, KB", "CPU s round 1"]
     head = ["N", *(f"{SHORT[b]}: {c}" for b in backends for c in columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for n in sizes:
@@ -682,10 +696,12 @@ def table(results: dict[tuple[int, str], list[CaseResult]], sizes: list[int],
                 cpu = f"agents {cpu} + etcd {cell([c.cpu_etcd for c in cases], 2)}"
                 requests = cell([c.requests for c in cases], 0)
                 rate = cell([c.rate for c in cases], 0)
+                change = (f"{cell([c.change_requests for c in cases], 1)}, "
+                          f"{cell([c.change_kb for c in cases], 1)}")
             else:
-                requests = rate = "n/a"
+                requests = rate = change = "n/a"
             row += [cell([c.round1 for c in cases]), cell([c.round2 for c in cases]),
-                    requests, rate, cpu]
+                    requests, rate, change, cpu]
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -785,7 +801,10 @@ def main(argv: list[str] | None = None) -> int:
           "told at the kill (this favours stock)")
     print("- etcd requests: messages etcd's gRPC server received (/metrics, all methods), "
           f"from the barrier to round 1 complete, and per second over {args.steady:g} s of "
-          f"idle job after round 2 (N-{args.kill} agents); CPU: user+system seconds in the round-1 "
+          f"idle job after round 2 (N-{args.kill} agents); round change per agent: etcd's "
+          "requests and the bytes it sent its clients (etcd_network_client_grpc_sent_bytes_total; "
+          "the JSON gateway passes on about 4/3 of them) from the kill to round 2 formed, over "
+          "the survivors; CPU: user+system seconds in the round-1 "
           "window, of all worker processes (the embedded and stock store included) and of etcd")
     false = {n: sum(c.false_restarts for c in results.get((n, "etcd"), [])
                     + results.get((n, "embedded"), [])) for n in sizes}

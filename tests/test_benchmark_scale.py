@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.etcd]
 
 REPO = Path(__file__).resolve().parents[1]
 NUMBER = r"\d+(\.\d+)?"
-COLUMNS = ["round 1", "round 2", "requests", "requests/s", "CPU"]
+COLUMNS = ["round 1", "round 2", "requests", "requests/s", "change", "CPU"]
 
 
 def run_benchmark(*args: str, timeout: float) -> tuple[str, str]:
@@ -50,14 +50,15 @@ def test_scale_benchmark_fills_its_table_for_the_embedded_store_and_stock_c10d()
     assert len(rows) == 1, out
     cells = [c.strip() for c in rows[0].strip().strip("|").split("|")][1:]
     assert len(cells) == 2 * len(COLUMNS), rows[0]
-    by_backend = {b: dict(zip(COLUMNS, cells[i * 5:(i + 1) * 5], strict=True))
+    width = len(COLUMNS)
+    by_backend = {b: dict(zip(COLUMNS, cells[i * width:(i + 1) * width], strict=True))
                   for i, b in enumerate(["embedded", "stock"])}
     for backend, row in by_backend.items():
         assert re.fullmatch(NUMBER, row["round 1"]), (backend, row, err[-3000:])
         assert re.fullmatch(NUMBER, row["round 2"]), (backend, row, err[-3000:])
     for backend in ("embedded", "stock"):
         row = by_backend[backend]
-        assert row["requests"] == row["requests/s"] == "n/a", row
+        assert row["requests"] == row["requests/s"] == row["change"] == "n/a", row
         assert re.fullmatch(NUMBER, row["CPU"]), row
     assert "2 processes: 1 x 3 threads + the victim alone" in out
     assert "RES_OPTIONS unset" in out
@@ -80,6 +81,9 @@ def test_64_agents_on_a_real_etcd_form_a_round_and_form_it_again_after_two_are_k
     assert re.fullmatch(NUMBER, cells["round 2"]), (cells, err[-3000:])
     assert re.fullmatch(r"\d+", cells["requests"]) and int(cells["requests"]) > 0, cells
     assert re.fullmatch(NUMBER, cells["requests/s"]), cells
+    # the round change per survivor: requests, KB etcd sent (some of each: a new round)
+    change = re.fullmatch(rf"({NUMBER}), ({NUMBER})", cells["change"])
+    assert change and float(change[1]) > 0 and float(change[3]) > 0, cells
     assert re.fullmatch(rf"agents {NUMBER} \+ etcd {NUMBER}", cells["CPU"]), cells
     assert "3 processes: 1 x 62 threads + 2 victims, each alone" in out
     assert "--nnodes=N-2:N" in out and "a round of N-2" in out
