@@ -1,0 +1,42 @@
+"""The keeper acts on a state change when the store delivers it, not at its next tick."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from elastic_ext.control import AgentControl
+from elastic_ext.local.processes import wait_until
+from elastic_ext.rendezvous.events import EventLog
+from elastic_ext.rendezvous.keeper import Keeper
+from elastic_ext.rendezvous.policy import Limits
+from elastic_ext.rendezvous.state import NodeInfo, Phase, RunState
+from tests.support.memory_backend import MemoryBackend, MemoryStore
+
+INTERVAL_S = 5.0  # a tick this far away would leave the change unseen for seconds
+
+
+def test_a_newer_round_written_elsewhere_makes_the_keeper_leave_within_a_fraction_of_a_tick(
+        tmp_path: Path) -> None:
+    store = MemoryStore()
+    other = MemoryBackend(store)
+    members = {"me": NodeInfo("127.0.0.1", 1000), "n1": NodeInfo("127.0.0.1", 1001)}
+    closed = RunState(generation="g", round=1, phase=Phase.CLOSED, members=members,
+                      order=("me", "n1"))
+    written = other.set_state(closed.to_bytes())
+    assert written is not None
+    other.beat("n1")
+    keeper = Keeper(MemoryBackend(store), "me", interval=INTERVAL_S, timeout=30.0,
+                    limits=Limits(2, 2, 1.0, None), control=AgentControl(tmp_path / "ctl"),
+                    events=EventLog("run1", "me", "127.0.0.1", None))
+    keeper.watch_round(("g", 1))
+    keeper.start()
+    try:
+        wait_until(lambda: "n1" in keeper.peer_silence(), 5.0, 0.01, "the first tick")
+        assert keeper.pressure.count == 0
+        opened = RunState(generation="g", round=2, phase=Phase.OPEN, members={},
+                          previous=("me", "n1"))
+        other.set_state(opened.to_bytes(), written[1])
+        wait_until(lambda: keeper.pressure.count, 1.0, 0.01, "the keeper to see round 2")
+        assert "round 2" in keeper.pressure.why
+    finally:
+        keeper.stop()
