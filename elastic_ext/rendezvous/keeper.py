@@ -10,8 +10,7 @@ One keeper judges everyone (the watcher: ``joins.closer_of``) and publishes its
 ``liveness.Verdict``; the others read it when the watcher's heartbeat moves, and judge
 only the watcher (with ``heartbeat=lease`` on etcd, a heartbeat is a lease keep-alive and
 the keys arrive by a watch: ``etcd_backend``). On any store the keeper holds a connection
-to each watched node's presence port and reads a killed agent's end from it
-(``presence``).
+to each watched node's presence port and reads a killed agent's end from it (``presence``).
 
 It also carries this node's preemption notice to the run's state and settles it with
 the other nodes' (``drain.py``), and passes a whole-job stop on to the workers.
