@@ -18,6 +18,7 @@ import pytest
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousStateError
 
+from elastic_ext.local.processes import wait_until
 from elastic_ext.net import free_port
 from elastic_ext.rendezvous.backend import STATE_KEY, StoreBackend
 from elastic_ext.rendezvous.c10d_backend import C10dBackend
@@ -332,11 +333,8 @@ def test_a_state_write_elsewhere_calls_the_change_callback_of_a_backend_and_its_
     assert all(calls), f"a write by another connection called no callback: {calls}"
     before = list(calls)
     set_state(b, b"z", token)
-    deadline = time.monotonic() + 5.0
-    while not all(n > m for n, m in zip(calls, before, strict=True)) \
-            and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert all(n > m for n, m in zip(calls, before, strict=True)), (before, calls)
+    wait_until(lambda: all(n > m for n, m in zip(calls, before, strict=True)), 5.0, 0.01,
+               "a callback of each backend after the write")
     a.close()
 
 

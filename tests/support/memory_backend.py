@@ -86,10 +86,11 @@ class MemoryBackend(StoreBackend):
             found = self.store.keys.get(key)
             valid = token is None or (isinstance(token, int) and not isinstance(token, bool))
             current_revision = None if found is None else found[1]
-            if valid and token == current_revision:
+            written = valid and token == current_revision
+            if written:
                 revision = self.store.put(key, wrap_state(state))
                 listeners = list(self.store.state_listeners.get(self._prefix, ()))
-        if valid and token == current_revision:
+        if written:
             for listener in listeners:  # as a watch would, once the write is done
                 listener()
             return state, revision, True
