@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from elastic_ext.local.processes import ProcessSet
+from tests.support import machine_share
 
 REAL_PART_MARKERS = ("slow", "etcd", "slurm", "netns", "chaos_full")
 """A test with none of these is in the fast lane (``tests/run.sh --fast``); if it starts
@@ -32,18 +33,36 @@ def real_part_started_by(argv: list[str]) -> str | None:
     return None
 
 
+def has_real_parts(item: pytest.Item) -> bool:
+    return any(item.get_closest_marker(name) for name in REAL_PART_MARKERS)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that asks for a real etcd is marked ``etcd`` (the fast lane leaves it out), and
-    the tests with a real-part marker run first. Labs of network namespaces may run side by
-    side: each takes its own /24 and names under a lock (``NetnsLab.allocate``,
-    ``SlurmLab.up``)."""
+    the tests are put in the order that shares the machine best (``machine_share.order``).
+    Labs of network namespaces may run side by side: each takes its own /24 and names under
+    a lock (``NetnsLab.allocate``, ``SlurmLab.up``)."""
     for item in items:
         if {"etcd", "etcd_cluster"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.etcd)
-    # The tests that start real parts first, so that on xdist's workers the fast ones fill
-    # the end instead of one slow test running on alone (a stable sort: files stay in order).
-    items.sort(key=lambda item: not any(item.get_closest_marker(name)
-                                        for name in REAL_PART_MARKERS))
+        if item.get_closest_marker("quiet") and not has_real_parts(item):
+            raise pytest.UsageError(f"{item.nodeid} is marked quiet but starts no real part: "
+                                    "a quiet test is one with real parts (mark it slow)")
+    items[:] = machine_share.order(items, has_real_parts)
+
+
+@pytest.fixture(autouse=True)
+def _share_the_machine(request: pytest.FixtureRequest,
+                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Under xdist, a quiet test runs while no other test runs real parts
+    (``tests/support/machine_share.py``)."""
+    if not hasattr(request.config, "workerinput") or not has_real_parts(request.node):
+        yield
+        return
+    shared = tmp_path_factory.getbasetemp().parent  # the session's, above every worker's
+    with machine_share.machine_share(shared, exclusive=bool(
+            request.node.get_closest_marker("quiet"))):
+        yield
 
 
 @pytest.fixture(autouse=True)

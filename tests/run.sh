@@ -45,10 +45,11 @@ if [ "$fast" = 1 ]; then
 fi
 # One run on three workers, on two cores: on two, the cores were idle a good part of the
 # time (tests wait on timeouts and on training steps); on three they are busy. The join
-# tests leave room for a newcomer's start on a loaded machine. tests/conftest.py puts the
-# tests that start real parts first; --maxschedchunk=1 hands out one test at a time
-# (xdist's default would give one worker the first quarter of the collection, every slow
-# test, at once), so the slow ones go to whichever worker is free and the fast ones fill
-# the end.
+# tests leave room for a newcomer's start on a loaded machine. tests/conftest.py orders the
+# tests (tests/support/machine_share.py): the few with a bound on time ("quiet") first,
+# each while no other test runs real parts and fast tests fill the other workers, then
+# the ones that start real parts, longest first, then the rest of the fast ones.
+# --maxschedchunk=1 hands out one test at a time (xdist's default would give one worker
+# the first quarter of the collection at once), so each goes to whichever worker is free.
 exec python3 -m pytest -q -p no:cacheprovider -n 3 --dist load --maxschedchunk=1 \
   --durations=25 -m "not chaos_full" "$@" tests
