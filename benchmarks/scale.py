@@ -4,7 +4,11 @@
 threads: the survivors are spread over worker processes of at most ``--per-process``
 threads each, and one agent, the victim, lives alone in a process of its own. Every
 worker process imports torch and the rendezvous modules first, says it is ready, and
-waits on a start barrier (a pipe the main process closes once all are ready). Each
+waits on a start barrier (a pipe the main process closes once all are ready). With
+``--forked`` every agent has a process of its own instead, as on real machines: one
+process imports torch and the rendezvous modules, then forks one process per agent
+(the imports shared copy-on-write: a thousand imports of torch take minutes and
+gigabytes), and the CPU they spend is each agent's own. Each
 agent then does what torchrun's agent does with ``--nnodes=N-K:N`` (``--kill K``, 1 by
 default):
 
@@ -34,7 +38,10 @@ Measured, per case (one backend, one N, one repetition):
              creations and lease keep-alives) from the barrier to round 1 seen complete,
              and per second over ``--steady`` seconds after round 2 (N-K agents idle)
   CPU        user+system seconds over the round-1 window of the worker processes (all
-             agents; the embedded and stock store run inside agent 0's process) and of etcd
+             agents; the embedded and stock store run inside agent 0's process) and of etcd;
+             per agent: that over N, and over the round change (kill to round 2) over the
+             survivors, in ms (with --forked, the agents' own CPU, machine-independent but
+             for the machine's speed)
 
 A phase that does not finish within ``--cap`` seconds counts as "no round"; the run goes
 on. Every process started here is in a process group of its own and is killed with it.
@@ -53,6 +60,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime as dt
+import gc
 import importlib
 import json
 import logging
@@ -106,15 +114,20 @@ def agent_addr(index: int) -> str:
 
 
 def _worker(spec: dict[str, Any]) -> int:
-    """One worker process: import everything, wait at the barrier, run the agent threads."""
+    """One worker process: import everything, then run its groups of agent threads: the
+    one group itself, or each of several in a child forked now (``--forked``: one process
+    per agent without a thousand imports of torch). A group waits at the barrier, then
+    runs its agents until its process is killed."""
     events = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints go to the log, never into the event stream
     logging.basicConfig(level=spec["log_level"], stream=sys.stderr,
-                        format="%(asctime)s %(threadName)s %(name)s: %(message)s")
+                        format="%(asctime)s %(process)d %(threadName)s %(name)s: %(message)s")
     lock = threading.Lock()
+    me = {"worker": spec["groups"][0][0]}
 
     def emit(kind: str, **fields: Any) -> None:
-        line = json.dumps({"kind": kind, "t": time.monotonic(), **fields})
+        # one write of a short line: the forked children's lines never interleave
+        line = json.dumps({"kind": kind, "t": time.monotonic(), **me, **fields})
         with lock:
             events.write(line + "\n")
             events.flush()
@@ -191,14 +204,29 @@ def _worker(spec: dict[str, Any]) -> int:
             logger.exception("agent %d failed", index)
             emit("error", agent=index, error=f"{type(exc).__name__}: {exc}"[:300])
 
-    emit("ready", torch=torch.__version__)
-    while os.read(spec["barrier_fd"], 1):  # EOF: the main process released everyone
+    def run_group(worker: int, agents: list[int]) -> None:
+        me["worker"] = worker
+        signal.signal(signal.SIGUSR1, lambda *_: rejoin.set())  # stock: rejoin now
+        emit("ready", torch=torch.__version__, pid=os.getpid())
+        while os.read(spec["barrier_fd"], 1):  # EOF: the main process released everyone
+            pass
+        for index in agents:
+            threading.Thread(target=agent, args=(index,), name=f"agent-{index}",
+                             daemon=True).start()
+
+    groups: list[tuple[int, list[int]]] = [(w, list(a)) for w, a in spec["groups"]]
+    if len(groups) == 1:
+        run_group(*groups[0])
+    else:
+        gc.freeze()  # the imports' objects stay shared with the children, not copied
+        for worker, agents in groups:
+            if os.fork() == 0:  # one thread here yet: safe
+                _die_with_parent()
+                run_group(worker, agents)
+                while True:
+                    signal.pause()  # the agents' threads run until this process is killed
+    for _ in sys.stdin:  # EOF: the main process is gone (forked children die with this one)
         pass
-    for index in spec["agents"]:
-        threading.Thread(target=agent, args=(index,), name=f"agent-{index}", daemon=True).start()
-    for line in sys.stdin:  # commands; EOF: the main process is gone
-        if line.strip() == "rejoin":
-            rejoin.set()
     os._exit(0)
 
 
@@ -319,7 +347,9 @@ def layout(n: int, per_process: int, kill: int = 1) -> list[list[int]]:
     return [*groups, *([i] for i in range(survivors, n))]
 
 
-def describe_layout(n: int, per_process: int, kill: int = 1) -> str:
+def describe_layout(n: int, per_process: int, kill: int = 1, forked: bool = False) -> str:
+    if forked:
+        return f"{n} processes, one per agent, forked from one that imported torch"
     sizes = [len(g) for g in layout(n, per_process, kill)[:-kill]]
     procs = len(sizes)
     threads = f"{max(sizes)}" if min(sizes) == max(sizes) else f"{min(sizes)}-{max(sizes)}"
@@ -344,6 +374,8 @@ class CaseResult:
     change_requests: Outcome = field(default_factory=Outcome)  # round 2, per survivor
     change_kb: Outcome = field(default_factory=Outcome)  # round 2, per survivor
     cpu_agents: Outcome = field(default_factory=Outcome)
+    cpu_per_agent: Outcome = field(default_factory=Outcome)  # round 1, ms
+    cpu_change_per_agent: Outcome = field(default_factory=Outcome)  # round 2, ms per survivor
     cpu_etcd: Outcome = field(default_factory=Outcome)
     false_restarts: int = 0
     notes: list[str] = field(default_factory=list)
@@ -367,10 +399,14 @@ class Agent:
 
 @dataclass
 class Worker:
+    """A process of agents: one started here, or one its ``proc`` forked (``--forked``)."""
+
     index: int
     agents: list[int]
     proc: subprocess.Popen[bytes]
     log: Path
+    forked: bool = False
+    pid: int | None = None  # from its ``ready``
     ready: bool = False
     expected_exit: bool = False
 
@@ -416,11 +452,15 @@ class Case:
         if self.args.res_options:
             env["RES_OPTIONS"] = RES_OPTIONS
         barrier_read, barrier_write = os.pipe()
+        groups = list(enumerate(layout(self.n, 1 if self.args.forked else self.args.per_process,
+                                       self.args.kill)))
+        # --forked: one process imports, then forks a process per agent
+        started = [groups] if self.args.forked else [[group] for group in groups]
         try:
-            for index, agents in enumerate(layout(self.n, self.args.per_process,
-                                                  self.args.kill)):
+            for mine in started:
+                index = mine[0][0]
                 spec = {"backend": self.backend, "endpoint": endpoint, "n": self.n,
-                        "run_id": f"scale-{self.backend}-{self.n}-{self.rep}", "agents": agents,
+                        "run_id": f"scale-{self.backend}-{self.n}-{self.rep}", "groups": mine,
                         "barrier_fd": barrier_read, "conf": self.args.conf,
                         "control_dir": str(self.workdir / f"control-{index}"),
                         "log_level": self.args.log_level, "kill": self.args.kill}
@@ -428,7 +468,8 @@ class Case:
                 proc = spawn([sys.executable, str(Path(__file__).resolve()), "--worker",
                               json.dumps(spec)], log, env=env, pass_fds=(barrier_read,),
                              pipes=True)
-                self.workers.append(Worker(index, agents, proc, log))
+                self.workers += [Worker(i, agents, proc, log, forked=self.args.forked)
+                                 for i, agents in mine]
         except BaseException:
             os.close(barrier_write)
             raise
@@ -436,6 +477,8 @@ class Case:
             os.close(barrier_read)
         # Readers only now: ``spawn`` runs code between fork and exec, safe with one thread.
         for worker in self.workers:
+            if worker.forked and worker.index != self.workers[0].index:
+                continue  # the forked share their starter's stream
             reader = threading.Thread(target=self._read, args=(worker,), daemon=True)
             reader.start()
             self.readers.append(reader)
@@ -471,7 +514,7 @@ class Case:
                 index, event = self.events.get(timeout=min(left, 0.5))
             except queue.Empty:
                 continue
-            worker = self.workers[index]
+            worker = self.workers[event.get("worker", index) if event else index]
             if event is None:
                 if not worker.expected_exit:
                     code = worker.proc.wait(timeout=10)
@@ -481,6 +524,7 @@ class Case:
             kind, agent = event["kind"], event.get("agent")
             if kind == "ready":
                 worker.ready = True
+                worker.pid = int(event["pid"])
                 self.torch_version = str(event.get("torch", ""))
                 continue
             if not isinstance(agent, int):
@@ -501,8 +545,10 @@ class Case:
     def _all_ready(self) -> bool:
         return all(w.ready for w in self.workers)
 
-    def _cpu_agents(self) -> float:
-        return sum(cpu_seconds(w.proc.pid) or 0.0 for w in self.workers)
+    def _cpu_agents(self, workers: list[Worker] | None = None) -> float:
+        """CPU seconds of the agents' processes so far (of ``workers``, by default all)."""
+        return sum(cpu_seconds(w.pid) or 0.0 for w in workers or self.workers
+                   if w.pid is not None)
 
     # -- the case ----------------------------------------------------------------------------
     def _run(self, result: CaseResult) -> None:
@@ -562,6 +608,7 @@ class Case:
         result.round1.value = max(t for t, _, _ in first) - t_barrier
         connects = [a.connected - t_barrier for a in self.agents if a.connected is not None]
         result.cpu_agents.value = cpu1
+        result.cpu_per_agent.value = cpu1 / n * 1000
         if self.etcd:
             result.requests.value = sum(used.values())
             result.cpu_etcd.value = etcd_cpu
@@ -578,14 +625,18 @@ class Case:
                  + ", ".join(str(self.agents[i].ranks[0][1]) for w in victims for i in w.agents))
         requests_kill = self.etcd.requests() if self.etcd else Counter()
         bytes_kill = self.etcd.sent_bytes() if self.etcd else 0
+        cpu_kill = self._cpu_agents(living)
         t_kill = time.monotonic()
         for victim in victims:
-            os.killpg(victim.proc.pid, signal.SIGKILL)
+            if victim.forked:
+                assert victim.pid is not None
+                os.kill(victim.pid, signal.SIGKILL)
+            else:
+                os.killpg(victim.proc.pid, signal.SIGKILL)
         if self.backend == "stock":
             for worker in living:
-                assert worker.proc.stdin is not None
-                worker.proc.stdin.write(b"rejoin\n")
-                worker.proc.stdin.flush()
+                assert worker.pid is not None
+                os.kill(worker.pid, signal.SIGUSR1)
         early = sum(1 for a in self.agents if any(t < t_kill for t in a.rejoins))
         result.false_restarts += early
 
@@ -610,6 +661,8 @@ class Case:
             self.say(f"round 2: {no_round} after the kill; {self._noticed(survivors, t_kill)}")
             return
         result.round2.value = max(self.agents[i].ranks[-1][0] for i in survivors) - t_kill
+        result.cpu_change_per_agent.value = \
+            (self._cpu_agents(living) - cpu_kill) / len(survivors) * 1000
         if self.etcd:
             change = self.etcd.requests() - requests_kill
             result.change_requests.value = sum(change.values()) / len(survivors)
@@ -656,8 +709,8 @@ class Case:
         return ", ".join(f"{m} {c}" for m, c in counts.most_common(4) if c) or "none"
 
     def cleanup(self) -> None:
-        for worker in self.workers:
-            kill_group(worker.proc)
+        for proc in {id(w.proc): w.proc for w in self.workers}.values():
+            kill_group(proc)  # a forked worker dies with its starter (PR_SET_PDEATHSIG)
         if self.etcd is not None:
             kill_group(self.etcd.proc)
         for reader in self.readers:
@@ -684,7 +737,8 @@ def cell(outcomes: list[Outcome], digits: int = 2) -> str:
 def table(results: dict[tuple[int, str], list[CaseResult]], sizes: list[int],
           backends: list[str]) -> list[str]:
     columns = ["round 1 (s)", "round 2 (s)", "etcd requests round 1", "etcd requests/s idle",
-               "round change per agent: requests, KB", "CPU s round 1"]
+               "round change per agent: requests, KB", "CPU s round 1",
+               "CPU ms per agent: round 1, round change"]
     head = ["N", *(f"{SHORT[b]}: {c}" for b in backends for c in columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for n in sizes:
@@ -700,8 +754,10 @@ def table(results: dict[tuple[int, str], list[CaseResult]], sizes: list[int],
                           f"{cell([c.change_kb for c in cases], 1)}")
             else:
                 requests = rate = change = "n/a"
+            per_agent = (f"{cell([c.cpu_per_agent for c in cases], 1)}, "
+                         f"{cell([c.cpu_change_per_agent for c in cases], 1)}")
             row += [cell([c.round1 for c in cases]), cell([c.round2 for c in cases]),
-                    requests, rate, change, cpu]
+                    requests, rate, change, cpu, per_agent]
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -733,6 +789,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds of idle job over which etcd's request rate is taken")
     parser.add_argument("--per-process", type=int, default=64,
                         help="agent threads per worker process at most")
+    parser.add_argument("--forked", action="store_true",
+                        help="one process per agent, each forked from one that imported torch "
+                             "(--per-process is then 1)")
     parser.add_argument("--res-options", action="store_true",
                         help=f'run the workers with RES_OPTIONS="{RES_OPTIONS}"')
     parser.add_argument("--kill", type=int, default=1,
@@ -772,8 +831,8 @@ def main(argv: list[str] | None = None) -> int:
     with terminated_by_sigterm(), tempfile.TemporaryDirectory(prefix="scale-bench-") as tmp, \
             keeping_logs(Path(tmp), args.logs):
         for n in sizes:
-            print(f"N={n}: {describe_layout(n, args.per_process, args.kill)}", file=sys.stderr,
-                  flush=True)
+            print(f"N={n}: {describe_layout(n, args.per_process, args.kill, args.forked)}",
+                  file=sys.stderr, flush=True)
             for rep in range(args.reps):
                 for backend in backends:
                     case = Case(backend, n, rep, args, Path(tmp) / f"{backend}-{n}-{rep}")
@@ -787,9 +846,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nRendezvous at scale, {dt.date.today()}, {os.cpu_count()} CPUs, torch "
           f"{torch_version or '?'}" + (f", {etcd_version}" if etcd_version else "")
           + f"; {time.monotonic() - started:.0f}s in all\n")
-    print("- agents: threads in worker processes that imported torch before the start barrier;")
+    print("- agents: processes forked after the imports, one per agent;" if args.forked else
+          "- agents: threads in worker processes that imported torch before the start barrier;")
     for n in sizes:
-        print(f"  N={n}: {describe_layout(n, args.per_process, args.kill)}")
+        print(f"  N={n}: {describe_layout(n, args.per_process, args.kill, args.forked)}")
     print(f"- --nnodes=N-{args.kill}:N for every backend; stock c10d with last_call_timeout=1 "
           f"(etcd-ext's default; stock's own is 30); resolver: {resolver}"
           + (f"; etcd-ext --rdzv-conf {args.conf}" if args.conf else
@@ -805,7 +865,9 @@ def main(argv: list[str] | None = None) -> int:
           "requests and the bytes it sent its clients (etcd_network_client_grpc_sent_bytes_total; "
           "the JSON gateway passes on about 4/3 of them) from the kill to round 2 formed, over "
           "the survivors; CPU: user+system seconds in the round-1 "
-          "window, of all worker processes (the embedded and stock store included) and of etcd")
+          "window, of all worker processes (the embedded and stock store included) and of etcd; "
+          "CPU per agent: the same over N in ms, and from the kill to round 2 formed over the "
+          "survivors")
     false = {n: sum(c.false_restarts for c in results.get((n, "etcd"), [])
                     + results.get((n, "embedded"), [])) for n in sizes}
     if any(false.values()):

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.etcd]
 
 REPO = Path(__file__).resolve().parents[1]
 NUMBER = r"\d+(\.\d+)?"
-COLUMNS = ["round 1", "round 2", "requests", "requests/s", "change", "CPU"]
+COLUMNS = ["round 1", "round 2", "requests", "requests/s", "change", "CPU", "CPU per agent"]
 
 
 def run_benchmark(*args: str, timeout: float) -> tuple[str, str]:
@@ -44,8 +44,9 @@ def run_benchmark(*args: str, timeout: float) -> tuple[str, str]:
 
 @pytest.mark.timeout(300)
 def test_scale_benchmark_fills_its_table_for_the_embedded_store_and_stock_c10d() -> None:
+    # one process per agent (--forked); the 64-agent etcd run below packs them in threads
     out, err = run_benchmark("--sizes", "4", "--reps", "1", "--backends", "embedded,stock",
-                             "--cap", "60", "--steady", "2", timeout=240)
+                             "--cap", "60", "--steady", "2", "--forked", timeout=240)
     rows = [line for line in out.splitlines() if line.startswith("| 4 |")]
     assert len(rows) == 1, out
     cells = [c.strip() for c in rows[0].strip().strip("|").split("|")][1:]
@@ -60,7 +61,9 @@ def test_scale_benchmark_fills_its_table_for_the_embedded_store_and_stock_c10d()
         row = by_backend[backend]
         assert row["requests"] == row["requests/s"] == row["change"] == "n/a", row
         assert re.fullmatch(NUMBER, row["CPU"]), row
-    assert "2 processes: 1 x 3 threads + the victim alone" in out
+        per_agent = re.fullmatch(rf"({NUMBER}), ({NUMBER})", row["CPU per agent"])
+        assert per_agent and float(per_agent[1]) > 0 and float(per_agent[3]) > 0, row
+    assert "4 processes, one per agent, forked from one that imported torch" in out
     assert "RES_OPTIONS unset" in out
 
 
@@ -85,6 +88,7 @@ def test_64_agents_on_a_real_etcd_form_a_round_and_form_it_again_after_two_are_k
     change = re.fullmatch(rf"({NUMBER}), ({NUMBER})", cells["change"])
     assert change and float(change[1]) > 0 and float(change[3]) > 0, cells
     assert re.fullmatch(rf"agents {NUMBER} \+ etcd {NUMBER}", cells["CPU"]), cells
+    assert re.fullmatch(rf"{NUMBER}, {NUMBER}", cells["CPU per agent"]), cells
     assert "3 processes: 1 x 62 threads + 2 victims, each alone" in out
     assert "--nnodes=N-2:N" in out and "a round of N-2" in out
     assert "with no node gone" not in out, out  # no agent restarted for nothing
