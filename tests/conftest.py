@@ -54,9 +54,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(autouse=True)
 def _share_the_machine(request: pytest.FixtureRequest,
                        tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Under xdist, a quiet test runs while no other test runs real parts
-    (``tests/support/machine_share.py``)."""
-    if not hasattr(request.config, "workerinput") or not has_real_parts(request.node):
+    """Under xdist, a quiet test runs alone (``tests/support/machine_share.py``)."""
+    if not hasattr(request.config, "workerinput"):
         yield
         return
     shared = tmp_path_factory.getbasetemp().parent  # the session's, above every worker's

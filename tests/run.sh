@@ -47,8 +47,8 @@ fi
 # time (tests wait on timeouts and on training steps); on three they are busy. The join
 # tests leave room for a newcomer's start on a loaded machine. tests/conftest.py orders the
 # tests (tests/support/machine_share.py): the few with a bound on time ("quiet") first,
-# each while no other test runs real parts and fast tests fill the other workers, then
-# the ones that start real parts, longest first, then the rest of the fast ones.
+# each alone on the machine, then the ones that start real parts, longest first, then the
+# fast ones.
 # --maxschedchunk=1 hands out one test at a time (xdist's default would give one worker
 # the first quarter of the collection at once), so each goes to whichever worker is free.
 exec python3 -m pytest -q -p no:cacheprovider -n 3 --dist load --maxschedchunk=1 \

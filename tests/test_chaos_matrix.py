@@ -79,9 +79,9 @@ NOTHING_LOST = {"join", "preempt", "notice", "notice-below-min", "notice-spread"
 NOTICE_TO_TRAINING_S = 2.0
 """Issue 23: from a notice to one node to the first step of the smaller world."""
 TIMED = {"notice", "etcd-leader"}
-"""The scenarios with a bound on time (below): they run while no other test runs real parts,
-as their bound is this machine's, not that of a machine busy with other jobs (on CI's 2
-cores beside two other end-to-end tests ``notice`` measured 2.06 s)."""
+"""The scenarios with a bound on time (below): they run alone (``quiet``), as their bound is
+this machine's, not that of a machine busy with other jobs (on CI's 2 cores beside two
+other end-to-end tests ``notice`` measured 2.06 s)."""
 ELECTION_S = 2.0
 """Time enough for two etcd members to elect a new leader (about 1 s)."""
 
