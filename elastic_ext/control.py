@@ -41,6 +41,7 @@ _LEAVING = "leaving-"
 _PROGRESS = "progress-"
 _PREEMPT = "preempt"
 _NOTICE = "notice"
+_DOORBELL = "doorbell"  # a FIFO: a worker rings it after it recorded a notice
 _DONE = "done"
 _DIR_PREFIX = "elastic-ext-ctl-"
 _NODE_MEMORY = Path("/dev/shm")
@@ -102,6 +103,8 @@ class AgentControl:
             atexit.register(self.close)
         self.path = path
         (self.path / STATE_SUBDIR).mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not (self.path / _DOORBELL).exists():
+            os.mkfifo(self.path / _DOORBELL, 0o600)
         self.on_notice: Callable[[], None] | None = None
         """Called after the agent's own notice is recorded (the keeper acts on it at once)."""
         self._caught: int | None = None  # the signal ``catch_preemption`` took
@@ -126,6 +129,29 @@ class AgentControl:
             return (self.path / _NOTICE).read_text() or "preemption notice"
         except OSError:
             return None
+
+    def wait_for_notice(self, stopped: threading.Event) -> bool:
+        """Block until this node has a notice (True), or until ``stopped`` is set and
+        :meth:`ring` called (False). A read of the doorbell FIFO, which whoever records a
+        notice rings: a wait, not a look at the directory every few milliseconds (which
+        at hundreds of agents per machine is thousands of wake-ups a second)."""
+        try:  # read and write: our own writer keeps the FIFO from ever reading end of file
+            bell = os.open(self.path / _DOORBELL, os.O_RDWR)
+        except OSError as exc:  # the directory is gone: the agent is leaving
+            logger.debug("no notice doorbell to wait on: %s", exc)
+            return False
+        try:
+            while not stopped.is_set():
+                if self.notice() is not None:
+                    return True
+                os.read(bell, 512)
+            return False
+        finally:
+            os.close(bell)
+
+    def ring(self) -> None:
+        """Wake :meth:`wait_for_notice` (to see a notice, or that it should stop)."""
+        _ring(self.path)
 
     def catch_preemption(self, signum: int = signal.SIGUSR2) -> bool:
         """In the agent: record ``signum`` (SLURM's advance notice) as this node's notice
@@ -313,7 +339,23 @@ def _record_notice(directory: Path, why: str) -> bool:
     except OSError as exc:
         logger.warning("could not record the preemption notice (%s): %s", why, exc)
         return False
+    _ring(directory)
     return True
+
+
+def _ring(directory: Path) -> None:
+    """Ring the agent's notice doorbell without ever blocking (this may run in a signal
+    handler): nothing happens when no agent waits on it."""
+    try:
+        bell = os.open(directory / _DOORBELL, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # no reader (the agent is gone) or no doorbell
+        return
+    try:
+        os.write(bell, b"!")
+    except OSError:  # full: the agent has wake-ups enough to read
+        pass
+    finally:
+        os.close(bell)
 
 
 def local_state_dir() -> Path | None:

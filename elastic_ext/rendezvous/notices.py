@@ -19,10 +19,6 @@ from elastic_ext.rendezvous.state import RunState
 
 logger = logging.getLogger(__name__)
 
-WATCH_S = 0.05
-"""How often the agent looks for a notice a worker passed on (one ``stat``): all the
-nodes' notices of a whole-job signal must be recorded within ``NOTICE_SETTLE_S``."""
-
 NOTICE_FALLBACK_S = 2.0
 """A notice the store cannot take this long stops this node's workers with a durable
 snapshot at their next step boundary, as without other nodes to settle it with."""
@@ -53,16 +49,16 @@ class NoticeRelay:
         control.on_notice = wake
 
     def start(self) -> None:
-        """Watch for a notice a worker passes on (the agent's own wakes the keeper itself)."""
+        """Wait for a notice a worker passes on (the agent's own wakes the keeper itself):
+        a thread blocked on the control directory's doorbell (``AgentControl.ring``)."""
         def watch() -> None:
-            while not self._closed.wait(WATCH_S):
-                if self._control.notice() is not None:
-                    self._wake()
-                    return
+            if self._control.wait_for_notice(self._closed):
+                self._wake()
         threading.Thread(target=watch, name="etcd-ext-notices", daemon=True).start()
 
     def close(self) -> None:
         self._closed.set()
+        self._control.ring()
 
     def act(self, state: RunState | None, token: object | None, dead: frozenset[str]) -> None:
         """Pass a whole-job stop on to the workers; record this node's notice in the state,
