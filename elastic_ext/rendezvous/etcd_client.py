@@ -304,15 +304,15 @@ class EtcdClient:
                 return base + amount
 
     def multi_get(self, keys: Sequence[str]) -> list[KeyValue | None]:
-        if not keys:
-            return []
-        txn = {"success": [{"request_range": {"key": _b64(k)}} for k in keys]}
-        reply = self.call("/kv/txn", txn)
-        out: list[KeyValue | None] = []
-        for response in reply.get("responses") or []:
-            kvs, _ = range_reply(response)
-            out.append(kvs[0] if kvs else None)
-        return out
+        return self.read_keys(keys)[0] if keys else []
+
+    def read_keys(self, keys: Sequence[str]) -> tuple[list[KeyValue | None], int]:
+        """Each of ``keys`` (None where absent), read at once, and the store's revision when
+        they were read: where a watch for the absent ones starts."""
+        reply = self.call("/kv/txn", {"success": [{"request_range": {"key": _b64(k)}}
+                                                  for k in keys]})
+        found = [range_reply(r)[0] for r in reply.get("responses") or []]
+        return [kvs[0] if kvs else None for kvs in found], int(reply["header"]["revision"])
 
     def multi_put(self, items: Sequence[tuple[str, bytes]]) -> None:
         txn = {"success": [{"request_put": {"key": _b64(k), "value": _b64(v)}} for k, v in items]}

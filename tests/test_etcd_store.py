@@ -1,0 +1,78 @@
+"""The round's store on a real etcd: every agent of a round waits on it at once (for rank
+0's rank assignment, at the exit barrier), so a wait must be a watch, not a read every
+20 ms (at 1,024 agents that was 50,000 requests a second; issue 27)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from datetime import timedelta
+
+import pytest
+
+from elastic_ext.local.etcd import received_requests
+from elastic_ext.local.processes import wait_until
+from elastic_ext.rendezvous.etcd_client import EtcdClient
+from elastic_ext.rendezvous.etcd_store import EtcdV3Store
+from tests.support.stores import settings_for
+
+pytestmark = pytest.mark.etcd
+
+OLD_POLL_S = 0.02  # the wait this replaced read the keys this often
+WINDOW_S = 0.5  # long enough for 25 reads of that poll
+
+
+def _reads(counts: Counter[str]) -> int:
+    return counts["Range"] + counts["Txn"]
+
+
+def _store(etcd) -> EtcdV3Store:
+    return EtcdV3Store(EtcdClient(settings_for(etcd.members[0].endpoint)), "/t/store/g/1/")
+
+
+def _waiting(store: EtcdV3Store, keys: list[str], got: list[list[bytes]]) -> threading.Thread:
+    waiter = threading.Thread(target=lambda: got.append(store.multi_get(keys)), daemon=True)
+    waiter.start()
+    return waiter
+
+
+def test_a_wait_reads_once_then_watches_until_the_key_is_written(etcd) -> None:
+    url = etcd.members[0].client_url
+    key = "torchelastic/assigned_ranks/3"
+    before = received_requests(url)
+    got: list[list[bytes]] = []
+    waiter = _waiting(_store(etcd), [key], got)
+    wait_until(lambda: received_requests(url)["Watch"] > before["Watch"], 10.0, 0.01,
+               "the waiter's watch")
+    watching = received_requests(url)
+    assert not got
+    # A measurement window, not a wait for something: a poll would read in it.
+    assert not threading.Event().wait(WINDOW_S)
+    assert _reads(received_requests(url)) == _reads(watching), "the waiter read while waiting"
+
+    _store(etcd).set(key, b"[3, 8, 3, 8]")
+    waiter.join(timeout=10.0)
+    assert got == [[b"[3, 8, 3, 8]"]]
+
+
+def test_rank_0_waits_for_every_agents_key_as_they_come(etcd) -> None:
+    keys = [f"torchelastic/role_info/{i}" for i in range(5)]
+    writer = _store(etcd)
+    writer.set(keys[0], b"r0")  # already there when the wait starts
+    got: list[list[bytes]] = []
+    waiter = _waiting(_store(etcd), keys, got)
+    writer.set("torchelastic/other", b"not waited for")
+    for i, key in enumerate(keys[1:], start=1):
+        assert not got, f"the wait ended with {i} of {len(keys)} keys written"
+        writer.set(key, f"r{i}".encode())
+    waiter.join(timeout=10.0)
+    assert got == [[b"r0", b"r1", b"r2", b"r3", b"r4"]]
+
+
+def test_a_wait_for_a_key_nobody_writes_ends_at_its_timeout(etcd) -> None:
+    store = _store(etcd)
+    began = time.monotonic()
+    with pytest.raises(TimeoutError, match="not set within"):
+        store.wait(["torchelastic/never"], timedelta(seconds=0.5))
+    assert 0.5 <= time.monotonic() - began < 3.0
