@@ -394,3 +394,11 @@ def test_a_keepers_state_reads_come_from_the_handlers_watch_on_etcd(etcd, monkey
         assert state is not None and state[0] == value
     assert reads == []
     handler_side.close()
+
+
+def test_dropping_more_joins_than_one_transaction_holds(backend: StoreBackend) -> None:
+    nodes = [f"n{i:03}" for i in range(300)]
+    for node in nodes:
+        backend.join("g", 1, node, b"entry")
+    backend.drop_joins("g", 1, nodes[1:])
+    assert backend.read_joins("g", 1) == [("n000", b"entry")]

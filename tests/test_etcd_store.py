@@ -76,3 +76,17 @@ def test_a_wait_for_a_key_nobody_writes_ends_at_its_timeout(etcd) -> None:
     with pytest.raises(TimeoutError, match="not set within"):
         store.wait(["torchelastic/never"], timedelta(seconds=0.5))
     assert 0.5 <= time.monotonic() - began < 3.0
+
+
+def test_more_agents_than_one_transaction_holds(etcd) -> None:
+    """torch's rank 0 reads every agent's key and writes every agent's ranks at once; etcd
+    refuses a transaction of more than 128 operations by default (a 129-node job failed
+    right after its round formed)."""
+    agents = 300
+    store = _store(etcd)
+    store.multi_set([f"torchelastic/role_info/{i}" for i in range(agents)],
+                    [f"default:{i}" for i in range(agents)])
+    keys = [f"torchelastic/role_info/{i}" for i in range(agents)]
+    assert store.multi_get(keys) == [f"default:{i}".encode() for i in range(agents)]
+    store.wait(keys, timedelta(seconds=5))
+    assert store.check(keys) and not store.check([*keys, "torchelastic/never"])

@@ -18,7 +18,8 @@ import requests
 from elastic_ext.local.etcd import start_cluster
 from elastic_ext.rendezvous.errors import StoreAuthError
 from elastic_ext.rendezvous.etcd_backend import EtcdBackend
-from elastic_ext.rendezvous.etcd_client import EtcdClient, _prefix_end
+from elastic_ext.rendezvous.etcd_client import EtcdClient
+from elastic_ext.rendezvous.etcd_wire import prefix_end
 from tests.support.agents import ALLREDUCE_JOB, torchrun
 from tests.support.stores import plant_etcd_state, settings_for
 from tests.support.tls import ThrowawayCA
@@ -56,7 +57,7 @@ def enable_auth(url: str, ca: Path, users: dict[str, tuple[str, str]]) -> None:
         post("auth/user/add", {"name": name, "password": password})
         post("auth/role/add", {"name": f"r-{name}"})
         post("auth/role/grant", {"name": f"r-{name}", "perm": {
-            "key": b64(prefix), "range_end": b64(_prefix_end(prefix.encode())),
+            "key": b64(prefix), "range_end": b64(prefix_end(prefix.encode())),
             "permType": "READWRITE"}})
         post("auth/user/grant", {"user": name, "role": f"r-{name}"})
     post("auth/enable", {})

@@ -29,16 +29,11 @@ from elastic_ext.rendezvous.backend import (
 )
 from elastic_ext.rendezvous.clock import Clock
 from elastic_ext.rendezvous.errors import StoreUnavailableError
-from elastic_ext.rendezvous.etcd_client import (
-    EtcdClient,
-    op_delete,
-    op_put,
-    op_range,
-    range_reply,
-)
+from elastic_ext.rendezvous.etcd_client import EtcdClient
 from elastic_ext.rendezvous.etcd_lease import EXPIRY_CHECK_S, AgentLease, lease_ttl
 from elastic_ext.rendezvous.etcd_store import EtcdV3Store
 from elastic_ext.rendezvous.etcd_watch import SharedFeeds
+from elastic_ext.rendezvous.etcd_wire import batches, op_delete, op_put, op_range, range_reply
 from elastic_ext.rendezvous.liveness import LEFT
 from elastic_ext.rendezvous.settings import Settings
 
@@ -160,7 +155,8 @@ class EtcdBackend(StoreBackend):
 
     def drop_joins(self, generation: str, round_: int, nodes: Iterable[str]) -> None:
         prefix = self._join_prefix(generation, round_)
-        self._client.txn([op_delete(prefix + node) for node in nodes])
+        for batch in batches(sorted(nodes)):  # a thousand dead at once need several
+            self._client.txn([op_delete(prefix + node) for node in batch])
 
     @property
     def heartbeats_expire(self) -> bool:

@@ -10,12 +10,10 @@ user/password auth with re-login when the token expires, TLS from our own settin
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import requests
@@ -23,74 +21,18 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 
 from elastic_ext.rendezvous.errors import ConfigError, StoreAuthError, StoreUnavailableError
 from elastic_ext.rendezvous.etcd_http import ConnectionFailed, GatewayConnections, TlsFailed
+from elastic_ext.rendezvous.etcd_wire import (
+    KeyValue,
+    b64,
+    batches,
+    prefix_end,
+    range_reply,
+)
 from elastic_ext.rendezvous.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 MIN_SERVER_VERSION = (3, 4)
-
-
-def _b64(data: bytes | str) -> str:
-    raw = data.encode() if isinstance(data, str) else data
-    return base64.b64encode(raw).decode()
-
-
-def _unb64(text: str) -> bytes:
-    return base64.b64decode(text)
-
-
-def _prefix_end(prefix: bytes) -> bytes:
-    """The smallest key greater than every key that starts with ``prefix``."""
-    end = bytearray(prefix)
-    for i in range(len(end) - 1, -1, -1):
-        if end[i] < 0xFF:
-            end[i] += 1
-            return bytes(end[: i + 1])
-    return b"\0"
-
-
-@dataclass(frozen=True)
-class KeyValue:
-    key: bytes
-    value: bytes
-    mod_revision: int
-    create_revision: int = 0
-
-    @classmethod
-    def from_reply(cls, kv: dict[str, Any]) -> KeyValue:
-        return cls(_unb64(kv["key"]), _unb64(kv.get("value", "")), int(kv["mod_revision"]),
-                   int(kv.get("create_revision", 0)))
-
-
-def op_put(key: str, value: bytes, lease: int | None = None) -> dict[str, Any]:
-    """A put inside a transaction (``EtcdClient.txn``)."""
-    put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
-    if lease:
-        put["lease"] = str(lease)
-    return {"request_put": put}
-
-
-def op_range(key: str, *, prefix: bool = False, keys_only: bool = False,
-             count_only: bool = False) -> dict[str, Any]:
-    """A read inside a transaction: one key, or every key under ``key`` with ``prefix``."""
-    request: dict[str, Any] = {"key": _b64(key)}
-    if prefix:
-        request["range_end"] = _b64(_prefix_end(key.encode()))
-    if keys_only:
-        request["keys_only"] = True
-    if count_only:
-        request["count_only"] = True
-    return {"request_range": request}
-
-
-def op_delete(key: str) -> dict[str, Any]:
-    return {"request_delete_range": {"key": _b64(key)}}
-
-
-def range_reply(response: dict[str, Any]) -> tuple[list[KeyValue], int]:
-    """The keys and the count of one read's answer inside a transaction's reply."""
-    reply = response.get("response_range") or {}
-    return [KeyValue.from_reply(kv) for kv in reply.get("kvs") or []], int(reply.get("count", 0))
 
 
 class _Transient(Exception):
@@ -248,17 +190,17 @@ class EtcdClient:
         return self.read_range(prefix, prefix=True)[0]
 
     def put(self, key: str, value: bytes, lease: int | None = None) -> int:
-        payload: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        payload: dict[str, Any] = {"key": b64(key), "value": b64(value)}
         if lease:
             payload["lease"] = str(lease)
         return int(self.call("/kv/put", payload)["header"]["revision"])
 
     def delete_prefix(self, prefix: str) -> None:
         raw = prefix.encode()
-        self.call("/kv/deleterange", {"key": _b64(raw), "range_end": _b64(_prefix_end(raw))})
+        self.call("/kv/deleterange", {"key": b64(raw), "range_end": b64(prefix_end(raw))})
 
     def delete(self, key: str) -> None:
-        self.call("/kv/deleterange", {"key": _b64(key)})
+        self.call("/kv/deleterange", {"key": b64(key)})
 
     def compare_and_swap(self, key: str, value: bytes, mod_revision: int | None,
                          lease: int | None = None) -> tuple[bool, KeyValue | None]:
@@ -266,17 +208,17 @@ class EtcdClient:
 
         One transaction; returns (succeeded, the key as it is now).
         """
-        compare: dict[str, Any] = {"key": _b64(key), "target": "MOD" if mod_revision else "CREATE",
+        compare: dict[str, Any] = {"key": b64(key), "target": "MOD" if mod_revision else "CREATE",
                                    "result": "EQUAL"}
         if mod_revision:
             compare["mod_revision"] = str(mod_revision)
         else:
             compare["create_revision"] = "0"
-        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
         if lease:
             put["lease"] = str(lease)
         txn = {"compare": [compare], "success": [{"request_put": put}],
-               "failure": [{"request_range": {"key": _b64(key)}}]}
+               "failure": [{"request_range": {"key": b64(key)}}]}
         reply = self.call("/kv/txn", txn)
         if reply.get("succeeded"):
             return True, KeyValue(key.encode(), value, int(reply["header"]["revision"]))
@@ -288,9 +230,9 @@ class EtcdClient:
 
     def put_if_exists(self, key: str, value: bytes, guard: str) -> bool:
         """Write ``value`` iff the key ``guard`` exists, in one transaction; whether it did."""
-        compare = {"key": _b64(guard), "target": "VERSION", "result": "GREATER", "version": "0"}
+        compare = {"key": b64(guard), "target": "VERSION", "result": "GREATER", "version": "0"}
         txn = {"compare": [compare],
-               "success": [{"request_put": {"key": _b64(key), "value": _b64(value)}}]}
+               "success": [{"request_put": {"key": b64(key), "value": b64(value)}}]}
         return bool(self.call("/kv/txn", txn).get("succeeded"))
 
     def add(self, key: str, amount: int) -> int:
@@ -304,19 +246,26 @@ class EtcdClient:
                 return base + amount
 
     def multi_get(self, keys: Sequence[str]) -> list[KeyValue | None]:
-        return self.read_keys(keys)[0] if keys else []
+        return self.read_keys(keys)[0]
 
     def read_keys(self, keys: Sequence[str]) -> tuple[list[KeyValue | None], int]:
-        """Each of ``keys`` (None where absent), read at once, and the store's revision when
-        they were read: where a watch for the absent ones starts."""
-        reply = self.call("/kv/txn", {"success": [{"request_range": {"key": _b64(k)}}
-                                                  for k in keys]})
-        found = [range_reply(r)[0] for r in reply.get("responses") or []]
-        return [kvs[0] if kvs else None for kvs in found], int(reply["header"]["revision"])
+        """Each of ``keys`` (None where absent) and the store's revision when the first
+        were read: where a watch for the absent ones starts. One transaction per
+        ``MAX_TXN_OPS`` keys (torch's rank 0 reads every agent's key at once)."""
+        found: list[list[KeyValue]] = []
+        revisions = []
+        for batch in batches(keys):
+            reply = self.call("/kv/txn", {"success": [{"request_range": {"key": b64(k)}}
+                                                      for k in batch]})
+            found += [range_reply(r)[0] for r in reply.get("responses") or []]
+            revisions.append(int(reply["header"]["revision"]))
+        return [kvs[0] if kvs else None for kvs in found], min(revisions, default=0)
 
     def multi_put(self, items: Sequence[tuple[str, bytes]]) -> None:
-        txn = {"success": [{"request_put": {"key": _b64(k), "value": _b64(v)}} for k, v in items]}
-        self.call("/kv/txn", txn)
+        """Atomic up to ``MAX_TXN_OPS`` items; more go in one transaction per batch."""
+        for batch in batches(items):
+            self.call("/kv/txn", {"success": [
+                {"request_put": {"key": b64(k), "value": b64(v)}} for k, v in batch]})
 
     def txn(self, operations: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """Run ``operations`` (``op_put``, ``op_range``, ``op_delete``) in one transaction,
@@ -328,7 +277,7 @@ class EtcdClient:
 
     def revision_of(self, key: str) -> int | None:
         """The key's ``mod_revision`` without its value; None if it does not exist."""
-        reply = self.call("/kv/range", {"key": _b64(key), "keys_only": True})
+        reply = self.call("/kv/range", {"key": b64(key), "keys_only": True})
         kvs = reply.get("kvs") or []
         return int(kvs[0]["mod_revision"]) if kvs else None
 
@@ -344,9 +293,9 @@ class EtcdClient:
             StoreUnavailableError: the watch could not be opened or broke.
         """
         endpoint = self._settings.endpoints[self._current]
-        create: dict[str, Any] = {"key": _b64(key), "start_revision": str(start_revision)}
+        create: dict[str, Any] = {"key": b64(key), "start_revision": str(start_revision)}
         if prefix:
-            create["range_end"] = _b64(_prefix_end(key.encode()))
+            create["range_end"] = b64(prefix_end(key.encode()))
         headers = {"Authorization": self._token} if self._token else {}
         url = f"{self._settings.scheme}://{endpoint}/v3/watch"
         try:
@@ -374,9 +323,9 @@ class EtcdClient:
     def read_range(self, key: str, *, prefix: bool = False) -> tuple[list[KeyValue], int]:
         """The key (with ``prefix``: every key under it) and the store's revision when it
         was read: where a watch of the same keys starts."""
-        payload = {"key": _b64(key)}
+        payload = {"key": b64(key)}
         if prefix:
-            payload["range_end"] = _b64(_prefix_end(key.encode()))
+            payload["range_end"] = b64(prefix_end(key.encode()))
         reply = self.call("/kv/range", payload)
         return ([KeyValue.from_reply(kv) for kv in reply.get("kvs") or []],
                 int(reply["header"]["revision"]))

@@ -21,7 +21,8 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_at
 
 from elastic_ext.rendezvous.backend import STATE_POLL_S, heartbeat_value
 from elastic_ext.rendezvous.errors import StoreUnavailableError
-from elastic_ext.rendezvous.etcd_client import EtcdClient, op_put
+from elastic_ext.rendezvous.etcd_client import EtcdClient
+from elastic_ext.rendezvous.etcd_wire import op_put
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from elastic_ext.rendezvous.backend import STATE_POLL_S
 from elastic_ext.rendezvous.errors import StoreUnavailableError
-from elastic_ext.rendezvous.etcd_client import EtcdClient, KeyValue
+from elastic_ext.rendezvous.etcd_client import EtcdClient
+from elastic_ext.rendezvous.etcd_wire import KeyValue
 
 logger = logging.getLogger(__name__)
 
