@@ -1,15 +1,23 @@
-"""What the benchmark scripts share: the machine line of their tables, and a SIGTERM that
-lets their ``finally`` blocks kill what they started. Imported as a sibling
-(``from common import ...``): the scripts run as ``python benchmarks/NAME.py``."""
+"""What the benchmark scripts share: the machine line of their tables, a cell of median
+and range, and a SIGTERM that lets their ``finally`` blocks kill what they started.
+Imported as a sibling (``from common import ...``): the scripts run as
+``python benchmarks/NAME.py``."""
 
 from __future__ import annotations
 
 import platform
 import signal
+import statistics
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
+
+from elastic_ext.local.etcd import EtcdMember, start_cluster
+from elastic_ext.local.processes import ProcessSet
+from elastic_ext.rendezvous.etcd_client import EtcdClient
+from elastic_ext.rendezvous.settings import parse_settings
 
 
 def cpu_model() -> str:
@@ -20,6 +28,16 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def cell(values: list[float], digits: int = 0) -> str:
+    """A table cell: the median, then the range when there is more than one value."""
+    if not values:
+        return "n/a"
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:.{digits}f}"
+    return f"{med:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 @contextmanager
@@ -33,3 +51,17 @@ def terminated_by_sigterm() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def private_etcd(prefix: str) -> Iterator[tuple[ProcessSet, EtcdMember, EtcdClient]]:
+    """One etcd member on loopback with a temporary data directory, a client of it, and
+    the process set to start more in; SIGTERM or the end kills everything started."""
+    with terminated_by_sigterm(), tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        procs = ProcessSet(Path(tmp) / "logs")
+        try:
+            member = start_cluster(procs, Path(tmp), 1).members[0]
+            yield procs, member, EtcdClient(parse_settings(
+                endpoint=member.endpoint, run_id="bench", min_nodes=1, max_nodes=1, conf={}))
+        finally:
+            procs.cleanup()

@@ -28,20 +28,15 @@ import asyncio
 import datetime as dt
 import os
 import resource
-import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from common import cpu_model, terminated_by_sigterm
+from common import cell, cpu_model, private_etcd
 
-from elastic_ext.local.etcd import start_cluster
-from elastic_ext.local.processes import ProcessSet
 from elastic_ext.rendezvous.etcd_client import EtcdClient
-from elastic_ext.rendezvous.settings import parse_settings
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 KEEPALIVE_METHOD = "/etcdserverpb.Lease/LeaseKeepAlive"
@@ -174,15 +169,6 @@ def measure(name: str, etcd_pid: int, body: Callable[[Case], None], seconds: flo
     return case, elapsed, process_cpu(etcd_pid) - etcd0, own_cpu() - own0
 
 
-def cell(values: list[float], digits: int = 0) -> str:
-    if not values:
-        return "n/a"
-    med = statistics.median(values)
-    if len(values) == 1:
-        return f"{med:.{digits}f}"
-    return f"{med:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--leases", type=int, default=1024)
@@ -197,42 +183,34 @@ def main() -> int:
     except ImportError:
         have_grpc = False
     rows: dict[str, dict[str, list[float]]] = {}
-    with terminated_by_sigterm(), tempfile.TemporaryDirectory(prefix="keepalive-") as tmp:
-        procs = ProcessSet(Path(tmp) / "logs")
-        try:
-            cluster = start_cluster(procs, Path(tmp), 1)
-            member = cluster.members[0]
-            assert member.proc is not None
-            etcd_pid = member.proc.popen.pid
-            endpoint = member.endpoint
-            client = EtcdClient(parse_settings(endpoint=endpoint, run_id="bench", min_nodes=1,
-                                               max_nodes=1, conf={}))
-            leases = [client.lease_grant(30)[0] for _ in range(args.leases)]
-            for rep in range(args.reps):
-                order = ["gateway", "grpc"] if rep % 2 == 0 else ["grpc", "gateway"]
-                for name in order:
-                    if name == "grpc" and not have_grpc:
-                        continue
-                    if name == "gateway":
-                        def body(case: Case) -> None:
-                            run_gateway(client, leases, args.period, args.seconds,
-                                        args.threads, case)
-                    else:
-                        def body(case: Case) -> None:
-                            run_grpc(endpoint, leases, args.period, args.seconds, case)
-                    case, elapsed, etcd_cpu, own = measure(name, etcd_pid, body, args.seconds)
-                    row = rows.setdefault(name, {})
-                    row.setdefault("rate", []).append(case.done / elapsed)
-                    row.setdefault("etcd_us", []).append(1e6 * etcd_cpu / max(1, case.done))
-                    row.setdefault("client_us", []).append(1e6 * own / max(1, case.done))
-                    row.setdefault("etcd_cores", []).append(etcd_cpu / elapsed)
-                    row.setdefault("expired", []).append(case.expired)
-                    print(f"rep {rep + 1} {name}: {case.done / elapsed:.0f} keep-alives/s, "
-                          f"etcd {etcd_cpu / elapsed:.2f} cores, client "
-                          f"{own / elapsed:.2f} cores, {case.expired} answered TTL 0",
-                          file=sys.stderr, flush=True)
-        finally:
-            procs.cleanup()
+    with private_etcd("keepalive-") as (_, member, client):
+        assert member.proc is not None
+        etcd_pid = member.proc.popen.pid
+        endpoint = member.endpoint
+        leases = [client.lease_grant(30)[0] for _ in range(args.leases)]
+        for rep in range(args.reps):
+            order = ["gateway", "grpc"] if rep % 2 == 0 else ["grpc", "gateway"]
+            for name in order:
+                if name == "grpc" and not have_grpc:
+                    continue
+                if name == "gateway":
+                    def body(case: Case) -> None:
+                        run_gateway(client, leases, args.period, args.seconds,
+                                    args.threads, case)
+                else:
+                    def body(case: Case) -> None:
+                        run_grpc(endpoint, leases, args.period, args.seconds, case)
+                case, elapsed, etcd_cpu, own = measure(name, etcd_pid, body, args.seconds)
+                row = rows.setdefault(name, {})
+                row.setdefault("rate", []).append(case.done / elapsed)
+                row.setdefault("etcd_us", []).append(1e6 * etcd_cpu / max(1, case.done))
+                row.setdefault("client_us", []).append(1e6 * own / max(1, case.done))
+                row.setdefault("etcd_cores", []).append(etcd_cpu / elapsed)
+                row.setdefault("expired", []).append(case.expired)
+                print(f"rep {rep + 1} {name}: {case.done / elapsed:.0f} keep-alives/s, "
+                      f"etcd {etcd_cpu / elapsed:.2f} cores, client "
+                      f"{own / elapsed:.2f} cores, {case.expired} answered TTL 0",
+                      file=sys.stderr, flush=True)
     print(f"\n{dt.date.today()}, {os.cpu_count()} cores ({cpu_model()}); {args.leases} "
           f"leases, each renewed every {args.period:g} s for {args.seconds:g} s; "
           f"{args.reps} reps, median (range)\n")

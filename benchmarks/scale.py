@@ -22,8 +22,9 @@ default):
 Measured, per case (one backend, one N, one repetition):
 
   round 1    start barrier -> every agent has its rank: building its handler (connecting
-             to the store) and ``next_rendezvous()``; ranks must be a permutation of
-             range(N), world sizes all N
+             to the store), ``next_rendezvous()`` and (unless ``--no-worker-ranks``) the
+             worker rank assignment torchrun's agent does next on the round's store; ranks
+             must be a permutation of range(N), world sizes all N
   round 2    SIGKILL of the K victims' processes (right after round 1 completed everywhere)
              -> every survivor has a rank in a round of N-K (ranks a permutation).
              etcd-ext survivors poll ``num_nodes_waiting()`` every 0.1 s from their first
@@ -113,6 +114,19 @@ def agent_addr(index: int) -> str:
     return f"127.0.{index // 254}.{index % 254 + 1}"
 
 
+def assign_worker_ranks(store: Any, rank: int, world: int) -> None:
+    """What torchrun's agent does with the round's store before it starts its workers
+    (torch's ``SimpleElasticAgent._assign_worker_ranks``, its default path, one worker
+    per agent): each agent writes its role, rank 0 waits for every agent's and writes all
+    their ranks, each agent waits for its own. The waits are the store's own."""
+    store.set(f"torchelastic/role_info/{rank}", f"default:{rank}:1")
+    if rank == 0:
+        store.multi_get([f"torchelastic/role_info/{i}" for i in range(world)])
+        store.multi_set([f"torchelastic/assigned_ranks/{i}" for i in range(world)],
+                        [json.dumps([i, world, i, world]) for i in range(world)])
+    store.get(f"torchelastic/assigned_ranks/{rank}")
+
+
 def _worker(spec: dict[str, Any]) -> int:
     """One worker process: import everything, then run its groups of agent threads: the
     one group itself, or each of several in a child forked now (``--forked``: one process
@@ -180,6 +194,8 @@ def _worker(spec: dict[str, Any]) -> int:
 
     def rendezvous(handler: RendezvousHandler, index: int) -> None:
         info = handler.next_rendezvous()
+        if spec["worker_ranks"]:
+            assign_worker_ranks(info.store, info.rank, info.world_size)
         emit("ranked", agent=index, rank=info.rank, world=info.world_size)
         if index in controls:  # the workers a real agent would start trained a step
             controls[index].record_progress()
@@ -463,7 +479,8 @@ class Case:
                         "run_id": f"scale-{self.backend}-{self.n}-{self.rep}", "groups": mine,
                         "barrier_fd": barrier_read, "conf": self.args.conf,
                         "control_dir": str(self.workdir / f"control-{index}"),
-                        "log_level": self.args.log_level, "kill": self.args.kill}
+                        "log_level": self.args.log_level, "kill": self.args.kill,
+                        "worker_ranks": self.args.worker_ranks}
                 log = self.workdir / f"worker-{index}.log"
                 proc = spawn([sys.executable, str(Path(__file__).resolve()), "--worker",
                               json.dumps(spec)], log, env=env, pass_fds=(barrier_read,),
@@ -803,6 +820,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep the workers' and etcd's logs here (default: removed)")
     parser.add_argument("--log-level", default="WARNING",
                         help="of the workers' logs (INFO shows every rendezvous step)")
+    parser.add_argument("--worker-ranks", action=argparse.BooleanOptionalAction, default=True,
+                        help="after each round, assign worker ranks through the round's store "
+                             "as torchrun's agent does (the default; tables before 2026-12-02 "
+                             "evening measured without)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -855,7 +876,9 @@ def main(argv: list[str] | None = None) -> int:
           + (f"; etcd-ext --rdzv-conf {args.conf}" if args.conf else
              "; etcd-ext with its defaults (heartbeat_interval 0.5 s, heartbeat_timeout 3 s)"))
     print("- round 1: start barrier -> every agent has its rank (handler built + "
-          f"next_rendezvous()); round 2: SIGKILL of {args.kill} agent(s)' process(es) -> "
+          "next_rendezvous()" + (" + torchrun's worker rank assignment on the round's store"
+                                 if args.worker_ranks else "")
+          + f"); round 2: SIGKILL of {args.kill} agent(s)' process(es) -> "
           f"every survivor has its rank in a round of N-{args.kill}. etcd-ext survivors find "
           "out themselves (polling num_nodes_waiting() every 0.1 s); stock c10d survivors are "
           "told at the kill (this favours stock)")
