@@ -37,7 +37,7 @@ def _waiting(store: EtcdV3Store, keys: list[str], got: list[list[bytes]]) -> thr
     return waiter
 
 
-def test_a_wait_reads_once_then_watches_until_the_key_is_written(etcd) -> None:
+def test_a_wait_watches_until_the_key_is_written_and_does_not_read_meanwhile(etcd) -> None:
     url = etcd.members[0].client_url
     key = "torchelastic/assigned_ranks/3"
     before = received_requests(url)
@@ -47,9 +47,10 @@ def test_a_wait_reads_once_then_watches_until_the_key_is_written(etcd) -> None:
                "the waiter's watch")
     watching = received_requests(url)
     assert not got
-    # A measurement window, not a wait for something: a poll would read in it.
+    # A measurement window, not a wait for something: a poll would read in it 25 times.
     assert not threading.Event().wait(WINDOW_S)
-    assert _reads(received_requests(url)) == _reads(watching), "the waiter read while waiting"
+    # at most the one read that follows the watch's creation (it may come after `watching`)
+    assert _reads(received_requests(url)) - _reads(watching) <= 1, "the waiter read while waiting"
 
     _store(etcd).set(key, b"[3, 8, 3, 8]")
     waiter.join(timeout=10.0)

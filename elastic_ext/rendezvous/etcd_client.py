@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import requests
@@ -246,20 +246,14 @@ class EtcdClient:
                 return base + amount
 
     def multi_get(self, keys: Sequence[str]) -> list[KeyValue | None]:
-        return self.read_keys(keys)[0]
-
-    def read_keys(self, keys: Sequence[str]) -> tuple[list[KeyValue | None], int]:
-        """Each of ``keys`` (None where absent) and the store's revision when the first
-        were read: where a watch for the absent ones starts. One transaction per
-        ``MAX_TXN_OPS`` keys (torch's rank 0 reads every agent's key at once)."""
+        """Each of ``keys``, None where absent: one transaction per ``MAX_TXN_OPS`` keys
+        (torch's rank 0 reads every agent's key at once)."""
         found: list[list[KeyValue]] = []
-        revisions = []
         for batch in batches(keys):
             reply = self.call("/kv/txn", {"success": [{"request_range": {"key": b64(k)}}
                                                       for k in batch]})
             found += [range_reply(r)[0] for r in reply.get("responses") or []]
-            revisions.append(int(reply["header"]["revision"]))
-        return [kvs[0] if kvs else None for kvs in found], min(revisions, default=0)
+        return [kvs[0] if kvs else None for kvs in found]
 
     def multi_put(self, items: Sequence[tuple[str, bytes]]) -> None:
         """Atomic up to ``MAX_TXN_OPS`` items; more go in one transaction per batch."""
@@ -282,12 +276,15 @@ class EtcdClient:
         return int(kvs[0]["mod_revision"]) if kvs else None
 
     def watch(self, key: str, start_revision: int, idle_timeout: float,
-              stop: threading.Event, *, prefix: bool = False
+              stop: threading.Event, *, prefix: bool = False,
+              on_created: Callable[[], None] | None = None
               ) -> Iterator[tuple[int, bytes, KeyValue | None]]:
         """Each change of ``key`` (``prefix``: of the keys under it) from ``start_revision``
-        on, as (revision, key, new value or None when deleted or its lease expired), through
-        one watch stream of the gateway. Ends when the stream ends, nothing came for
-        ``idle_timeout`` seconds, or ``stop`` is set.
+        on (0: from now), as (revision, key, new value or None when deleted or its lease
+        expired), through one watch stream of the gateway; ``on_created`` is called once
+        etcd has the watch in place. Ends when the stream ends, nothing came for
+        ``idle_timeout`` seconds, or ``stop`` is set. A start in the past costs etcd a
+        look through its history for every such watch, at every change, until it caught up.
 
         Raises:
             StoreUnavailableError: the watch could not be opened or broke.
@@ -311,6 +308,8 @@ class EtcdClient:
                     result = json.loads(line).get("result") or {}
                     if result.get("canceled") or result.get("compact_revision"):
                         return  # the caller reads the key again and watches anew
+                    if result.get("created") and on_created is not None:
+                        on_created()
                     for event in result.get("events") or []:
                         kv = KeyValue.from_reply(event["kv"])
                         yield kv.mod_revision, kv.key, \

@@ -77,20 +77,19 @@ class EtcdV3Store(Store):
 
     def wait(self, keys: list[str], override_timeout: timedelta | None = None) -> None:
         """Return once every one of ``keys`` exists; ``TimeoutError`` after the timeout.
-        One read, then a watch of the keys still missing from the revision of that read,
-        so a key written in between is not missed."""
+        One read; for the keys it did not find, a watch from now, then a read once the
+        watch is in place, so a key written in between is not missed."""
         timeout = override_timeout if override_timeout is not None else self._timeout
         deadline = time.monotonic() + timeout.total_seconds()
         names = [self._key(k) for k in keys]
         while True:
-            values, revision = self._client.read_keys(names)
-            missing = {name.encode() for name, kv in zip(names, values, strict=True) if kv is None}
-            left = deadline - time.monotonic()
+            values = self._client.multi_get(names)
+            missing = {name for name, kv in zip(names, values, strict=True) if kv is None}
             if not missing:
                 return
-            if left <= 0:
+            if time.monotonic() >= deadline:
                 raise TimeoutError(f"etcd store: keys {keys} not set within {timeout}")
-            if _watch_until_written(self._client, missing, revision, deadline):
+            if _watch_until_written(self._client, missing, deadline):
                 return
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
@@ -110,26 +109,42 @@ class EtcdV3Store(Store):
         return len(self._client.get_prefix(self._prefix))
 
 
-def _watch_until_written(client: EtcdClient, missing: set[bytes], revision: int,
-                         deadline: float) -> bool:
-    """Watch ``missing`` from after ``revision`` until each was written (True), or until
-    the deadline, a broken or idle stream (False: the caller reads them again). Several
-    keys are watched as the range of their common prefix (rank 0 waits for every
-    agent's key; the others wait for one); a character cut in two is left out of it."""
+class _AllWritten(Exception):
+    """Every key waited for was found by the read after the watch was in place."""
+
+
+def _watch_until_written(client: EtcdClient, missing: set[str], deadline: float) -> bool:
+    """Watch ``missing`` from now until each was written (True), or until the deadline,
+    a broken or idle stream (False: the caller reads them again). Several keys are
+    watched as the range of their common prefix (rank 0 waits for every agent's key; the
+    others wait for one). From now, not from the first read's revision: a watch from the
+    past makes etcd search its history for it (at 512 agents waiting at once, etcd fell
+    15 s behind)."""
     watched = sorted(missing)
-    key = watched[0] if len(watched) == 1 else watched[0][:len(os.path.commonprefix(watched))]
+    key = watched[0] if len(watched) == 1 else os.path.commonprefix(watched)
+
+    def read_again() -> None:  # what was written before the watch was in place
+        for name, kv in zip(sorted(missing), client.multi_get(sorted(missing)), strict=True):
+            if kv is not None:
+                missing.discard(name)
+        if not missing:
+            raise _AllWritten
+
     try:
         idle = max(0.0, deadline - time.monotonic())
-        for _, changed, kv in client.watch(key.decode(errors="ignore"), revision + 1, idle,
-                                           _NEVER, prefix=len(watched) > 1):
-            if changed in missing and kv is not None:
-                missing.discard(changed)
-            elif changed in watched and kv is None:
-                missing.add(changed)  # deleted again after it was written
+        for _, changed, kv in client.watch(key, 0, idle, _NEVER, prefix=len(watched) > 1,
+                                           on_created=read_again):
+            name = changed.decode(errors="replace")
+            if name in missing and kv is not None:
+                missing.discard(name)
+            elif name in watched and kv is None:
+                missing.add(name)  # deleted again after it was written
             if not missing:
                 return True
             if time.monotonic() >= deadline:
                 return False
+    except _AllWritten:
+        return True
     except StoreUnavailableError as exc:  # the read that follows says if etcd is gone
         logger.debug("etcd-ext: watch of the round store's %s: %s", key, exc)
     return False
