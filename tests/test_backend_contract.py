@@ -7,6 +7,7 @@ unknown tokens, and corrupt state; then heartbeats, round stores and run listing
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ import pytest
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousStateError
 
+from elastic_ext.local.etcd import sent_bytes
 from elastic_ext.local.processes import wait_until
 from elastic_ext.net import free_port
 from elastic_ext.rendezvous.backend import STATE_KEY, StoreBackend
@@ -385,7 +387,7 @@ def test_a_keepers_state_reads_come_from_the_handlers_watch_on_etcd(etcd, monkey
     handler_side = EtcdBackend(settings_for(endpoint))
     keeper = handler_side.clone()
     reads: list[str] = []
-    monkeypatch.setattr(keeper, "get_state", lambda: reads.append("get_state"))
+    monkeypatch.setattr(keeper, "read_whole_state", lambda: reads.append("read_whole_state"))
     _, token, _ = set_state(writer, b"v1")
     assert handler_side.wait_for_state(None, 5.0, SystemClock())  # the handler's watch runs
     for value in (b"v2", b"v3"):
@@ -394,6 +396,30 @@ def test_a_keepers_state_reads_come_from_the_handlers_watch_on_etcd(etcd, monkey
         assert state is not None and state[0] == value
     assert reads == []
     handler_side.close()
+
+
+@pytest.mark.etcd
+def test_a_watched_state_is_read_in_a_few_bytes_on_etcd(etcd) -> None:
+    """At a round change every agent reads the state (29 KB at 1,024 nodes, issue 27): an
+    agent that watches it reads its version and takes the value from the watch."""
+    endpoint, url = etcd.members[0].endpoint, etcd.members[0].client_url
+    writer, reader = EtcdBackend(settings_for(endpoint)), EtcdBackend(settings_for(endpoint))
+    big = os.urandom(60_000)  # does not compress
+    _, token, _ = set_state(writer, big)
+    before = sent_bytes(url)
+    assert state_of(reader) == big
+    unwatched = sent_bytes(url) - before
+    assert reader.wait_for_state(None, 5.0, SystemClock())  # now it watches the state
+    _, token, _ = set_state(writer, big[::-1], token)
+    wait_until(lambda: reader.wait_for_state(token - 1, 0.1, SystemClock()), 5.0, 0.01,
+               "the watch to deliver the write")
+    before = sent_bytes(url)
+    current = reader.get_state()
+    watched = sent_bytes(url) - before
+    assert current == (big[::-1], token)
+    assert unwatched > 60_000 and watched < 2_000, (unwatched, watched)
+    assert set_state(reader, b"next", token)[2]  # the token from the watch compares
+    reader.close()
 
 
 def test_dropping_more_joins_than_one_transaction_holds(backend: StoreBackend) -> None:

@@ -4,7 +4,7 @@ torch's agent uses the round's store to assign worker ranks and for its exit
 barrier. torch's own ``EtcdStore`` speaks the v2 API, which etcd 3.6 removed.
 Every agent of a round waits on it at once (for rank 0's assignment, at the barrier), so
 a wait is a watch of the keys it waits for, not a read every few milliseconds: at 1,024
-agents a 20 ms poll was 50,000 requests a second for as long as the slowest agent took.
+agents a read every 20 ms is 51,200 requests a second for as long as the slowest takes.
 """
 
 from __future__ import annotations
@@ -49,11 +49,7 @@ class EtcdV3Store(Store):
         self._client.put(self._key(key), _bytes(value))
 
     def get(self, key: str) -> bytes:
-        self.wait([key])
-        kv = self._client.get(self._key(key))
-        if kv is None:
-            raise LookupError(f"key {key!r} vanished from the etcd store")
-        return kv.value
+        return self._values([key], self._timeout)[0]
 
     def add(self, key: str, num: int) -> int:
         return self._client.add(self._key(key), num)
@@ -76,25 +72,26 @@ class EtcdV3Store(Store):
         return all(kv is not None for kv in self._client.multi_get([self._key(k) for k in keys]))
 
     def wait(self, keys: list[str], override_timeout: timedelta | None = None) -> None:
-        """Return once every one of ``keys`` exists; ``TimeoutError`` after the timeout.
-        One read; for the keys it did not find, a watch from now, then a read once the
-        watch is in place, so a key written in between is not missed."""
-        timeout = override_timeout if override_timeout is not None else self._timeout
-        deadline = time.monotonic() + timeout.total_seconds()
-        names = [self._key(k) for k in keys]
-        while True:
-            values = self._client.multi_get(names)
-            missing = {name for name, kv in zip(names, values, strict=True) if kv is None}
-            if not missing:
-                return
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"etcd store: keys {keys} not set within {timeout}")
-            if _watch_until_written(self._client, missing, deadline):
-                return
+        self._values(keys, override_timeout if override_timeout is not None else self._timeout)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        self.wait(keys)
-        return [kv.value for kv in self._client.multi_get([self._key(k) for k in keys]) if kv]
+        return self._values(keys, self._timeout)
+
+    def _values(self, keys: list[str], timeout: timedelta) -> list[bytes]:
+        """The values of ``keys`` once every one exists; ``TimeoutError`` after ``timeout``.
+        One read; for the keys it did not find, a watch from now, then a read once the
+        watch is in place (a key written in between is not missed); the values the watch
+        delivers need no further read."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        names = [self._key(k) for k in keys]
+        found: dict[str, bytes] = {}
+        while True:
+            _read_into(self._client, [n for n in names if n not in found], found)
+            if all(n in found for n in names):
+                return [found[n] for n in names]
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"etcd store: keys {keys} not set within {timeout}")
+            _watch_into(self._client, {n for n in names if n not in found}, found, deadline)
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         self._client.multi_put([(self._key(k), _bytes(v))
@@ -113,21 +110,29 @@ class _AllWritten(Exception):
     """Every key waited for was found by the read after the watch was in place."""
 
 
-def _watch_until_written(client: EtcdClient, missing: set[str], deadline: float) -> bool:
-    """Watch ``missing`` from now until each was written (True), or until the deadline,
-    a broken or idle stream (False: the caller reads them again). Several keys are
-    watched as the range of their common prefix (rank 0 waits for every agent's key; the
-    others wait for one). From now, not from the first read's revision: a watch from the
-    past makes etcd search its history for it (at 512 agents waiting at once, etcd fell
-    15 s behind)."""
+def _read_into(client: EtcdClient, names: list[str], found: dict[str, bytes]) -> None:
+    """Put the value of each of ``names`` that exists into ``found``."""
+    for name, kv in zip(names, client.multi_get(names), strict=True):
+        if kv is not None:
+            found[name] = kv.value
+
+
+def _watch_into(client: EtcdClient, missing: set[str], found: dict[str, bytes],
+                deadline: float) -> None:
+    """Watch ``missing`` from now, putting each value written into ``found``, until every
+    one was, the deadline, or a broken or idle stream (the caller reads them again).
+    Several keys are watched as the range of their common prefix (rank 0 waits for every
+    agent's key; the others wait for one). From now, not from the first read's revision:
+    etcd looks through its history for a watch that starts in the past, at every change,
+    until it caught up."""
     watched = sorted(missing)
     key = watched[0] if len(watched) == 1 else os.path.commonprefix(watched)
+    remaining = set(watched)
 
     def read_again() -> None:  # what was written before the watch was in place
-        for name, kv in zip(sorted(missing), client.multi_get(sorted(missing)), strict=True):
-            if kv is not None:
-                missing.discard(name)
-        if not missing:
+        _read_into(client, watched, found)
+        remaining.difference_update(found)
+        if not remaining:
             raise _AllWritten
 
     try:
@@ -135,16 +140,14 @@ def _watch_until_written(client: EtcdClient, missing: set[str], deadline: float)
         for _, changed, kv in client.watch(key, 0, idle, _NEVER, prefix=len(watched) > 1,
                                            on_created=read_again):
             name = changed.decode(errors="replace")
-            if name in missing and kv is not None:
-                missing.discard(name)
-            elif name in watched and kv is None:
-                missing.add(name)  # deleted again after it was written
-            if not missing:
-                return True
+            if name in remaining and kv is not None:
+                found[name] = kv.value
+                remaining.discard(name)
+                if not remaining:
+                    return
             if time.monotonic() >= deadline:
-                return False
+                return
     except _AllWritten:
-        return True
+        return
     except StoreUnavailableError as exc:  # the read that follows says if etcd is gone
         logger.debug("etcd-ext: watch of the round store's %s: %s", key, exc)
-    return False
