@@ -25,6 +25,8 @@ from elastic_ext.rendezvous.etcd_wire import (
     KeyValue,
     b64,
     batches,
+    op_put,
+    op_range,
     prefix_end,
     range_reply,
 )
@@ -248,18 +250,14 @@ class EtcdClient:
     def multi_get(self, keys: Sequence[str]) -> list[KeyValue | None]:
         """Each of ``keys``, None where absent: one transaction per ``MAX_TXN_OPS`` keys
         (torch's rank 0 reads every agent's key at once)."""
-        found: list[list[KeyValue]] = []
-        for batch in batches(keys):
-            reply = self.call("/kv/txn", {"success": [{"request_range": {"key": b64(k)}}
-                                                      for k in batch]})
-            found += [range_reply(r)[0] for r in reply.get("responses") or []]
+        found = [range_reply(r)[0] for batch in batches(keys)
+                 for r in self.txn([op_range(k) for k in batch])]
         return [kvs[0] if kvs else None for kvs in found]
 
     def multi_put(self, items: Sequence[tuple[str, bytes]]) -> None:
         """Atomic up to ``MAX_TXN_OPS`` items; more go in one transaction per batch."""
         for batch in batches(items):
-            self.call("/kv/txn", {"success": [
-                {"request_put": {"key": b64(k), "value": b64(v)}} for k, v in batch]})
+            self.txn([op_put(k, v) for k, v in batch])
 
     def txn(self, operations: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """Run ``operations`` (``op_put``, ``op_range``, ``op_delete``) in one transaction,
