@@ -33,7 +33,9 @@ from tests.support.stores import settings_for
 
 
 def info(port: int) -> NodeInfo:
-    return NodeInfo("10.0.0.1", port)
+    # loopback: a watcher holds connections to everyone's presence port at this address
+    # (nothing may leave the machine; some networks accept and close any connection)
+    return NodeInfo("127.0.0.1", port)
 
 
 def entry(port: int, unreachable: tuple[str, ...] = ()) -> bytes:
@@ -243,6 +245,58 @@ def test_a_verdict_counts_only_from_the_watcher_of_this_generation(tmp_path: Pat
     peer.write_verdict(Verdict("w", "g", frozenset({"b"})).to_bytes())
     a.tick()
     assert a.dead_among({"w", "b"}) == {"b"}
+
+
+def test_the_members_of_a_round_whose_watcher_died_go_on_reading_its_heartbeat_alone(
+        tmp_path: Path) -> None:
+    # Every survivor of a dead rank 0 read every heartbeat at each tick until the next
+    # round opened: N² (217 KB per agent per round change at 512 agents on etcd). Its
+    # death ends their round anyway; a node outside the round still judges everyone.
+    store, counts, clock = MemoryStore(), Counter[str](), Clock()
+    nodes = [f"n{i:02d}" for i in range(16)]
+    MemoryBackend(store).set_state(closed_state(nodes).to_bytes())
+    judged = Counter[str]()
+    *_, stranger = keepers(store, judged, [*nodes, "new"], clock, tmp_path / "s")
+    members = keepers(store, counts, nodes, clock, tmp_path)[1:]  # n00, the watcher, is dead
+    for k in members:
+        k.tick()
+        k.watch_round(("g", 1))
+    stranger.tick()
+    for _ in range(8):
+        clock.now += 0.5
+        for k in [*members, stranger]:
+            k.tick()
+    assert all("n00" in k.pressure.why for k in members)
+    assert stranger.dead_among({"n00"}) == {"n00"}
+    counts.clear()
+    clock.now += 0.5
+    for k in members:
+        k.tick()
+    assert counts["beats_read"] == len(members)  # the dead watcher's, one each
+    judged.clear()
+    stranger.tick()
+    assert judged["beats_read"] == len(nodes)  # everyone of the round
+
+
+def test_a_death_is_reported_once_not_again_at_every_round(tmp_path: Path) -> None:
+    # Reported again at each round, one death counted in elastic_ext_nodes_lost_total
+    # once per round by every agent.
+    store, clock = MemoryStore(), Clock()
+    MemoryBackend(store).set_state(closed_state(["w", "a", "victim"]).to_bytes())
+    seen: list[str] = []
+    watcher = Keeper(MemoryBackend(store), "w", interval=0.5, timeout=3.0,
+                     limits=Limits(1, 3, 1.0, None), control=AgentControl(tmp_path / "c"),
+                     events=EventLog("run1", "w", "127.0.0.1", None, listeners=[
+                         lambda kind, fields: seen.append(fields["peer"])
+                         if kind.value == "node_dead" else None]), clock=clock)
+    peer = MemoryBackend(store)
+    for round_ in (1, 2, 3):
+        watcher.watch_round(("g", round_))
+        for _ in range(8):
+            peer.beat("a")
+            clock.now += 0.5
+            watcher.tick()
+    assert seen == ["victim"]
 
 
 def test_a_new_watcher_keeps_the_last_verdicts_dead_until_they_beat(tmp_path: Path) -> None:

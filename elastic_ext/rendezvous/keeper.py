@@ -76,7 +76,7 @@ class Keeper:
         self._thread: threading.Thread | None = None
         self._round: tuple[str, int] | None = None
         self._pressure = Pressure()
-        self._reported_dead: set[str] = set()
+        self._reported_dead: set[str] = set()  # once per death, not at every round
         self._failing_since: float | None = None
         self._peers: frozenset[str] = frozenset()  # the last state's members and waiting
         self._state: tuple[RunState | None, object | None] = (None, None)  # (state, token)
@@ -172,7 +172,6 @@ class Keeper:
         with self._lock:
             self._round = round_
             self._pressure = Pressure()
-            self._reported_dead.clear()
             self._round_since = self._clock.monotonic()
             self._progressed = False
 
@@ -210,9 +209,10 @@ class Keeper:
             self._presence.drain()
             state, token = self._state
             watcher = closer_of(state)
-            # Everyone judges everyone while the watcher itself is dead (a requeued job
-            # finding its old agents gone) until a new round names a live one.
-            judging = watcher is None or watcher == self._node or watcher in self._dead
+            # While the watcher is dead, nodes outside its round judge everyone (a requeued
+            # job finding its old agents gone); its members need not: it ends their round.
+            judging = watcher is None or watcher == self._node or (
+                watcher in self._dead and (state is None or self._node not in state.members))
             nodes = (state.known_nodes() if state else set()) | also
             nodes.discard(self._node)
             observed = sorted(nodes) if judging else [watcher] if watcher else []
@@ -268,7 +268,7 @@ class Keeper:
                                       f"node {node} declared dead (no heartbeat change"
                                       + ("" if judging else f", judged by {watcher}") + ")",
                                       peer=node)
-            self._reported_dead |= dead
+            self._reported_dead = (self._reported_dead | dead) - (set(beats) - dead)
             # Only the watcher publishes, and only a judgement of everyone: a tick that
             # read the state that made us the watcher read one heartbeat, not all.
             verdict = Verdict(self._node, state.generation, dead, left) \
