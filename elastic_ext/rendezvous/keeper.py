@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, KeysView, Mapping
 from dataclasses import dataclass, replace
 
 from elastic_ext.control import AgentControl
@@ -80,6 +80,7 @@ class Keeper:
         self._failing_since: float | None = None
         self._peers: frozenset[str] = frozenset()  # the last state's members and waiting
         self._state: tuple[RunState | None, object | None] = (None, None)  # (state, token)
+        self._nodes: tuple[object, frozenset[str]] = (None, frozenset())  # whom it names
         self._version: object | None = object()  # the state version read last: none yet
         self._dead: frozenset[str] = frozenset()  # the last tick's judgement
         self._also_watched: set[str] = set()
@@ -213,11 +214,13 @@ class Keeper:
             # job finding its old agents gone); its members need not: it ends their round.
             judging = watcher is None or watcher == self._node or (
                 watcher in self._dead and (state is None or self._node not in state.members))
-            nodes = (state.known_nodes() if state else set()) | also
-            nodes.discard(self._node)
+            if self._nodes[0] != (state, also):  # O(N) once per state, not at every tick
+                known = state.known_nodes() if state else set()
+                self._nodes = ((state, also), frozenset((known | also) - {self._node}))
+            nodes = self._nodes[1]
             observed = sorted(nodes) if judging else [watcher] if watcher else []
             read = self._backend.keeper_read(self._node, self._presence.port, observed)
-            if read.state_version != self._version:
+            if fresh := read.state_version != self._version:
                 current = self._backend.state_after(read.state_version)
                 state, token = (RunState.from_bytes(current[0]), current[1]) if current \
                     else (None, None)
@@ -251,7 +254,7 @@ class Keeper:
                 port = presence_port_of(value)
                 if port is not None:
                     self._ports[node] = port
-            if state is not None:
+            if fresh and state is not None:
                 self._peers = frozenset(set(state.members) | set(state.waiting)) - {self._node}
                 for node, info in {**state.members, **state.waiting}.items():
                     self._addrs[node] = info.addr
@@ -294,7 +297,7 @@ class Keeper:
             self.check_worker_report()
 
     def _judge(self, state: RunState | None, watcher: str | None, judging: bool,
-               nodes: set[str], beats: Mapping[str, bytes | None], verdict: Verdict | None
+               nodes: frozenset[str], beats: Mapping[str, bytes | None], verdict: Verdict | None
                ) -> tuple[frozenset[str], frozenset[str]]:
         """(dead, left) among ``nodes`` (under ``_lock``): our own judgement when we watch
         everyone, else the watcher's published verdict and our judgement of the watcher.
@@ -363,16 +366,13 @@ class Keeper:
         except Exception as exc:  # the next tick tries again
             logger.debug("etcd-ext: could not record the round's progress: %s", exc)
 
-    def _members_of_our_round(self, state: RunState) -> set[str]:
-        """Who our workers train with: the state's round, or the one a newer open round
-        replaced (under ``_lock``, with a round watched)."""
+    def _members_of_our_round(self, state: RunState) -> KeysView[str] | set[str]:
+        """Who our workers train with: the state's round (closed: its members are its
+        order), or the one a newer open round replaced (under ``_lock``, a round watched)."""
         assert self._round is not None
-        generation, round_ = self._round
-        if state.generation != generation:
-            return set()
-        if state.round == round_:
-            return set(state.order)
-        if state.round == round_ + 1 and state.phase is Phase.OPEN:
+        if (state.generation, state.round) == self._round and state.phase is Phase.CLOSED:
+            return state.members.keys()
+        if (state.generation, state.round - 1) == self._round and state.phase is Phase.OPEN:
             return set(state.previous)
         return set()
 

@@ -313,11 +313,13 @@ def restart_pressure(state: RunState, me: str, dead: frozenset[str], limits: Lim
         return 1, f"round {state.round} ({state.phase.value}) replaced round {my_round[1]}", why
     if state.status is not Status.ACTIVE:
         return 1, f"run is {state.status.value}", Reason.FAILURE
-    leaving = sorted(set(state.order) & set(state.leaving))
+    # The round is closed here, so its members are its order: a look-up per node named,
+    # not a set of the whole round at every keeper tick.
+    leaving = sorted(n for n in state.leaving if n in state.members)
     if leaving:
         return len(leaving), f"leaving on a preemption notice: {', '.join(leaving)}", \
             Reason.MEMBERSHIP
-    lost = sorted(set(state.order) & dead - {me})
+    lost = sorted(n for n in dead if n in state.members and n != me)
     if lost:
         return len(lost), f"dead or hung: {', '.join(lost)}", Reason.MEMBERSHIP
     room = limits.max_nodes - len(state.order)
