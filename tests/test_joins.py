@@ -180,6 +180,14 @@ def keepers(store: MemoryStore, counts: Counter[str], nodes: list[str], clock: C
                    events=EventLog("run1", n, "127.0.0.1", None), clock=clock) for n in nodes]
 
 
+def tick_all(ks: Sequence[Keeper], clock: Clock, ticks: int) -> None:
+    """``ticks`` keeper intervals of half a second, every keeper ticking once in each."""
+    for _ in range(ticks):
+        clock.now += 0.5
+        for k in ks:
+            k.tick()
+
+
 def closed_state(nodes: list[str]) -> RunState:
     return RunState(generation="g", round=1, phase=Phase.CLOSED,
                     members={n: info(1000 + i) for i, n in enumerate(nodes)}, order=tuple(nodes))
@@ -197,10 +205,7 @@ def test_liveness_reads_grow_linearly_with_the_job_not_quadratically(tmp_path: P
             for k in ks:
                 k.tick()
         counts.clear()
-        for _ in range(10):
-            clock.now += 0.5
-            for k in ks:
-                k.tick()
+        tick_all(ks, clock, 10)
         per_tick = counts["beats_read"] / 10
         assert per_tick == (n - 1) + (n - 1)  # rank 0: n-1; every other: 1
         assert counts["state_reads"] == 0  # the state did not change: nobody read it
@@ -227,10 +232,7 @@ def test_a_keeper_tick_over_an_unchanged_state_does_no_work_per_node(
         k.tick()
         k.tick()
     listed.clear()
-    for _ in range(4):
-        clock.now += 0.5
-        for k in ks:
-            k.tick()
+    tick_all(ks, clock, 4)
     assert listed["known_nodes"] == 0
     assert all(k.pressure.count == 0 for k in ks)
 
@@ -290,16 +292,11 @@ def test_the_members_of_a_round_whose_watcher_died_go_on_reading_its_heartbeat_a
         k.tick()
         k.watch_round(("g", 1))
     stranger.tick()
-    for _ in range(8):
-        clock.now += 0.5
-        for k in [*members, stranger]:
-            k.tick()
+    tick_all([*members, stranger], clock, 8)
     assert all("n00" in k.pressure.why for k in members)
     assert stranger.dead_among({"n00"}) == {"n00"}
     counts.clear()
-    clock.now += 0.5
-    for k in members:
-        k.tick()
+    tick_all(members, clock, 1)
     assert counts["beats_read"] == len(members)  # the dead watcher's, one each
     judged.clear()
     stranger.tick()
@@ -385,6 +382,35 @@ def test_many_agents_join_with_one_write_each_and_no_compare_and_swap_storm(
     assert counts["cas_lost"] <= n, counts
     # only the closer and the node whose join filled the round read the joins
     assert len([k for k in counts if k.startswith("read_joins:")]) <= 2, counts
+
+
+def test_the_closer_reads_the_joins_again_only_once_they_can_make_min_nodes(
+        tmp_path: Path) -> None:
+    # It read every join key again at each new join: at N joins one by one, O(N²).
+    store, counts = MemoryStore(), Counter[str]()
+    peer = MemoryBackend(store)
+    joined: list[str] = []
+
+    class JoiningClock(Clock):
+        def sleep(self, seconds: float) -> None:  # a node joins while the closer waits
+            super().sleep(seconds)
+            current = peer.get_state()
+            if current is not None and len(joined) < 5:
+                state = RunState.from_bytes(current[0])
+                joined.append(f"p{len(joined)}")
+                peer.join(state.generation, state.round, joined[-1], entry(2000 + len(joined)))
+
+    handler = EtcdExtRendezvousHandler(
+        settings_for("127.0.0.1:2379", "run1", (6, 6), join_timeout="60"),
+        CountingBackend(store, counts), backend_name="etcd-ext", node_id="closer",
+        control=AgentControl(tmp_path / "c"), clock=JoiningClock(), keeper_thread=False)
+    try:
+        info = handler.next_rendezvous()
+    finally:
+        handler.keeper.stop()
+    assert (info.rank, info.world_size) == (0, 6)
+    # once alone in its round, once when the sixth node made MIN
+    assert counts["join_lists_read"] == 2, counts
 
 
 def test_a_node_names_its_presence_port_in_the_state_and_in_its_join() -> None:

@@ -271,13 +271,18 @@ class JoinSession:
         if state is None or state.phase is not Phase.OPEN or state.status is not Status.ACTIVE:
             return state
         # The closer looks every _POLL: it reads the join keys again only when there are
-        # more of them (or the state changed), so a 1,024-node round costs it tens of
-        # reads, not one per join.
-        key = (state.generation, state.round,
-               self._backend.count_joins(state.generation, state.round), state)
-        if self._joins_read is None or self._joins_read[0] != key:
-            self._joins_read = (key, self._backend.read_joins(state.generation, state.round))
-        merged = with_joins(state, self._joins_read[1], self._limits.max_nodes)
+        # more of them (or the state changed), and not while they cannot make MIN nodes:
+        # nothing it decides then waits on who joined (at N joins one by one, a read at
+        # each was O(N²) for the closer).
+        count = self._backend.count_joins(state.generation, state.round)
+        key = (state.generation, state.round, count, state)
+        last = self._joins_read
+        below_min = last is not None and last[0][:2] == key[:2] and last[0][3] == state \
+            and len(state.members) + count < self._limits.min_nodes
+        if last is None or (last[0] != key and not below_min):
+            last = self._joins_read = (key, self._backend.read_joins(state.generation,
+                                                                     state.round))
+        merged = with_joins(state, last[1], self._limits.max_nodes)
         self._keeper.watch_also(merged.known_nodes())
         return merged
 
