@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import zlib
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -411,6 +411,45 @@ def test_the_closer_reads_the_joins_again_only_once_they_can_make_min_nodes(
     assert (info.rank, info.world_size) == (0, 6)
     # once alone in its round, once when the sixth node made MIN
     assert counts["join_lists_read"] == 2, counts
+
+
+def test_the_closer_probes_the_nodes_it_waits_for_only_once_its_round_could_close(
+        tmp_path: Path) -> None:
+    # It probed every node of the last round not yet read among the joins, every 0.2 s:
+    # at 512 agents, hundreds of live nodes' ports while they joined one by one.
+    store, counts = MemoryStore(), Counter[str]()
+    peer = MemoryBackend(store)
+    peers = [f"p{i}" for i in range(5)]
+    peer.set_state(closed_state(["closer", *peers]).to_bytes())
+    joined: list[str] = []
+
+    class JoiningClock(Clock):
+        def sleep(self, seconds: float) -> None:  # a node joins while the closer waits
+            super().sleep(seconds)
+            current = peer.get_state()
+            state = RunState.from_bytes(current[0]) if current else None
+            if state is not None and state.phase is Phase.OPEN and len(joined) < len(peers):
+                joined.append(peers[len(joined)])
+                peer.join(state.generation, state.round, joined[-1], entry(2000 + len(joined)))
+
+    handler = EtcdExtRendezvousHandler(
+        settings_for("127.0.0.1:2379", "run1", (6, 6), join_timeout="60"),
+        CountingBackend(store, counts), backend_name="etcd-ext", node_id="closer",
+        control=AgentControl(tmp_path / "c"), clock=JoiningClock(), keeper_thread=False)
+    probed: list[set[str]] = []
+    gone_among = handler.keeper.gone_among
+
+    def counting(nodes: Iterable[str], addrs: Mapping[str, str]) -> frozenset[str]:
+        probed.append(set(nodes))
+        return gone_among(nodes, addrs)
+    handler.keeper.gone_among = counting  # type: ignore[method-assign]
+    try:
+        assert handler.next_rendezvous().world_size == 6  # round 1, as a member
+        info = handler.next_rendezvous()  # round 2, which it opens and closes
+    finally:
+        handler.keeper.stop()
+    assert (info.world_size, len(joined)) == (6, 5)
+    assert not [nodes for nodes in probed if nodes], probed
 
 
 def test_a_node_names_its_presence_port_in_the_state_and_in_its_join() -> None:

@@ -162,8 +162,10 @@ class JoinSession:
                 full = full_next or self._must_see_the_whole_round(state)
                 full_next = False
                 seen = self._with_joins(state) if full else state
+                # the nodes a round waits for are probed only once it could close (MIN)
+                probe = full and seen is not None and len(seen.members) >= self._limits.min_nodes
                 view = View(me=self._node, my_info=my_info,
-                            dead=self._probes.dead_or_gone(seen, probe=full),
+                            dead=self._probes.dead_or_gone(seen, probe=probe),
                             completed=memory.completed,
                             min_reached_for=self._min_reached_for(seen),
                             reenter_reason=reenter, fresh_generation=fresh_generation,
