@@ -45,6 +45,13 @@ def main() -> None:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft - 1, hard - 1))
         record(out, "left")
+        # Every rank records before any fails: torchrun stops the others as soon as one
+        # exits 1, and a rank slower to start (a loaded machine) would never record.
+        others = [os.path.join(out, f"left-rank{r}-gen0.json")
+                  for r in range(int(os.environ["WORLD_SIZE"]))]
+        deadline = time.monotonic() + WAIT_S
+        while not all(map(os.path.exists, others)) and time.monotonic() < deadline:
+            time.sleep(0.02)
         sys.exit(1)
     record(out, "ready")
     deadline = time.monotonic() + WAIT_S
