@@ -321,7 +321,7 @@ class Keeper:
     def _weigh(self, state: RunState, dead: frozenset[str]) -> None:
         """Turn what we read into a reason to leave our round, if any (under ``_lock``)."""
         assert self._round is not None
-        lost = sorted(dead & self._members_of_our_round(state) - {self._node})
+        lost = sorted((dead - {self._node}) & self._members_of_our_round(state))
         if lost and self._lost_told != self._round:
             # Also after another reason came first: the stop must not wait on them.
             self._control.publish_peer_lost(self._round[1], f"dead or hung: {', '.join(lost)}")
