@@ -35,6 +35,16 @@ def umask() -> int:
     return mask
 
 
+def wait_for(*paths: str) -> bool:
+    """Whether every one of ``paths`` exists within ``WAIT_S``."""
+    deadline = time.monotonic() + WAIT_S
+    while not all(map(os.path.exists, paths)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def main() -> None:
     out = sys.argv[1]
     if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
@@ -47,18 +57,12 @@ def main() -> None:
         record(out, "left")
         # Every rank records before any fails: torchrun stops the others as soon as one
         # exits 1, and a rank slower to start (a loaded machine) would never record.
-        others = [os.path.join(out, f"left-rank{r}-gen0.json")
-                  for r in range(int(os.environ["WORLD_SIZE"]))]
-        deadline = time.monotonic() + WAIT_S
-        while not all(map(os.path.exists, others)) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(*(os.path.join(out, f"left-rank{r}-gen0.json")
+                   for r in range(int(os.environ["WORLD_SIZE"]))))
         sys.exit(1)
     record(out, "ready")
-    deadline = time.monotonic() + WAIT_S
-    while not os.path.exists(os.path.join(out, "go")):
-        if time.monotonic() > deadline:
-            sys.exit(4)
-        time.sleep(0.02)
+    if not wait_for(os.path.join(out, "go")):
+        sys.exit(4)
     record(out, "found", environ=dict(os.environ), c_environ=c_environ(), cwd=os.getcwd(),
            umask=umask(), nofile=list(resource.getrlimit(resource.RLIMIT_NOFILE)),
            sys_path=sys.path)
