@@ -95,8 +95,11 @@ def test_an_idle_leased_keeper_asks_etcd_for_nothing_but_keep_alives(etcd) -> No
     try:
         other.beat("n1", 4242)
         agent.beat("me", 4343)
-        agent.keeper_read("me", 4343, ["n1"])  # opens its watches
         metrics = etcd.members[0].client_url
+        agent.keeper_read("me", 4343, ["n1"])  # opens its watches, on their own threads:
+        # the first read returns once the keys are read, before etcd has both watches
+        wait_until(lambda: received_requests(metrics)["Watch"] >= 2, 10, 0.05,
+                   "the agent's two watches (the state's, the heartbeat's) at etcd")
         before, began = received_requests(metrics), time.monotonic()
         for _ in range(10):  # five seconds of keeper ticks
             assert agent.keeper_read("me", 4343, ["n1"]).beats["n1"] is not None

@@ -95,6 +95,22 @@ STATE_POLL_S = 0.05
 """How often ``StoreBackend.wait_for_state`` looks at a store that cannot notify."""
 
 
+def poll_until(done: Callable[[], bool], timeout: float, clock: Clock) -> bool:
+    """``done()`` every ``STATE_POLL_S`` until it holds (True) or about ``timeout`` seconds of
+    ``clock`` passed (False): the waits of a store that cannot notify. A ``done`` that
+    raises counts as done: the caller's next read says what is wrong."""
+    deadline = clock.monotonic() + timeout
+    while True:
+        try:
+            if done():
+                return True
+        except Exception:  # the caller's next read says what is wrong
+            return True
+        if clock.monotonic() >= deadline:
+            return False
+        clock.sleep(min(STATE_POLL_S, max(0.0, deadline - clock.monotonic())))
+
+
 @dataclass(frozen=True)
 class KeeperRead:
     """What a keeper reads each tick: the state's version, some heartbeats, the verdict."""
@@ -176,17 +192,10 @@ class StoreBackend(ABC):
         about ``timeout`` seconds of ``clock``. Stores that notify (etcd) wake at the
         change; this default reads the state every ``STATE_POLL_S``. Never raises for an
         unreachable store: it returns True and the caller's next read reports it."""
-        deadline = clock.monotonic() + timeout
-        while True:
-            try:
-                current = self.get_state()
-            except Exception:  # the caller's next read says what is wrong
-                return True
-            if (current[1] if current is not None else None) != token:
-                return True
-            if clock.monotonic() >= deadline:
-                return False
-            clock.sleep(min(STATE_POLL_S, max(0.0, deadline - clock.monotonic())))
+        def changed() -> bool:
+            current = self.get_state()
+            return (current[1] if current is not None else None) != token
+        return poll_until(changed, timeout, clock)
 
     def on_state_change(self, callback: Callable[[], None]) -> None:  # noqa: B027
         """Have ``callback`` called, on another thread, after each state write this agent
@@ -210,6 +219,18 @@ class StoreBackend(ABC):
     @abstractmethod
     def count_joins(self, generation: str, round_: int) -> int:
         """How many join entries the round has, read without them (a few bytes)."""
+
+    def wait_for_joins(self, generation: str, round_: int, count: int, timeout: float,
+                       clock: Clock) -> bool:
+        """Wait until the round's ``count_joins`` differs from ``count``: True when it
+        does, False after about ``timeout`` seconds of ``clock``. The closer of an open
+        round waits here between its decisions. Stores that notify wake at the join (etcd:
+        a watch of the round's join keys, from which ``count_joins`` and ``read_joins`` of
+        that round are then answered without a request); this default reads the count
+        every ``STATE_POLL_S``. Never raises: it returns True and the caller's next read
+        reports the store."""
+        return poll_until(lambda: self.count_joins(generation, round_) != count, timeout,
+                          clock)
 
     @abstractmethod
     def read_joins(self, generation: str, round_: int) -> list[tuple[str, bytes]]:

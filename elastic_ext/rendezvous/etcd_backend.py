@@ -154,19 +154,38 @@ class EtcdBackend(StoreBackend):
         return range_reply(replies[1])[1]
 
     def count_joins(self, generation: str, round_: int) -> int:
-        replies = self._client.txn([op_range(self._join_prefix(generation, round_), prefix=True,
-                                             count_only=True)])
+        """From the watch of the round's joins while this agent keeps one (the closer)."""
+        prefix = self._join_prefix(generation, round_)
+        watched = self._feeds.joins_now(prefix)
+        if watched is not None:
+            return len(watched)
+        replies = self._client.txn([op_range(prefix, prefix=True, count_only=True)])
         return range_reply(replies[0])[1]
+
+    def wait_for_joins(self, generation: str, round_: int, count: int, timeout: float,
+                       clock: Clock) -> bool:
+        """A watch of the round's join keys (one per agent: the round it closes), which
+        ``count_joins`` and ``read_joins`` answer from while it lasts: each join reaches
+        the closer once, and its waits and reads cost no request."""
+        feed = self._feeds.joins_feed(self._client, self._join_prefix(generation, round_))
+        return feed.wait_until(lambda keys: len(keys) != count, timeout)
 
     def read_joins(self, generation: str, round_: int) -> list[tuple[str, bytes]]:
         prefix = self._join_prefix(generation, round_)
-        kvs = sorted(self._client.get_prefix(prefix), key=lambda kv: kv.create_revision)
+        watched = self._feeds.joins_now(prefix)
+        kvs = sorted(self._client.get_prefix(prefix) if watched is None else watched.values(),
+                     key=lambda kv: kv.create_revision)
         return [(kv.key.decode()[len(prefix):], kv.value) for kv in kvs]
 
     def drop_joins(self, generation: str, round_: int, nodes: Iterable[str]) -> None:
         prefix = self._join_prefix(generation, round_)
-        for batch in batches(sorted(nodes)):  # a thousand dead at once need several
+        dropped = sorted(nodes)
+        for batch in batches(dropped):  # a thousand dead at once need several
             self._client.txn([op_delete(prefix + node) for node in batch])
+        if self._feeds.joins_now(prefix) is not None:  # reads after this one lack them
+            gone = [(prefix + node).encode() for node in dropped]
+            self._feeds.joins_feed(self._client, prefix).wait_until(
+                lambda keys: not any(key in keys for key in gone), self.FEED_CATCH_UP_S)
 
     @property
     def heartbeats_expire(self) -> bool:

@@ -1,7 +1,8 @@
 """The run's keys as etcd's watches deliver them: reading them costs no request.
 
 One stream per watch, through the gateway (``EtcdClient.watch``); each agent holds two, the
-run's state and the heartbeat keys its keeper watches (``etcd_backend``).
+run's state and the heartbeat keys its keeper watches, and the closer of an open round a
+third, of the round's join keys (``etcd_backend``).
 """
 
 from __future__ import annotations
@@ -98,6 +99,20 @@ class WatchedKeys:
                                             f"{timeout:g}s")
             return dict(self._keys)
 
+    def keys_now(self) -> dict[bytes, KeyValue] | None:
+        """The keys as the watch has them, or None while they are not being watched."""
+        with self._changed:
+            return dict(self._keys) if self._current else None
+
+    def wait_until(self, done: Callable[[dict[bytes, KeyValue]], bool], timeout: float
+                   ) -> bool:
+        """Wait up to ``timeout`` seconds until the watched keys satisfy ``done`` (called
+        under the watch's lock: keep it cheap); False if they did not (or were not being
+        watched) by then."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._current and done(self._keys),
+                                          timeout)
+
     def close(self) -> None:
         self._stop.set()
 
@@ -109,6 +124,7 @@ class SharedFeeds:
 
     state: WatchedKeys | None = None
     beats: WatchedKeys | None = None
+    joins: WatchedKeys | None = None  # the join keys of the open round this agent closes
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def state_feed(self, client: EtcdClient, key: str) -> WatchedKeys:
@@ -120,15 +136,36 @@ class SharedFeeds:
     def beats_feed(self, client: EtcdClient, key: str, prefix: bool) -> WatchedKeys:
         """The watch of ``key`` (or every key under it), replacing a watch of other keys."""
         with self.lock:
-            if self.beats is None or (self.beats.key, self.beats.prefix) != (key, prefix):
-                if self.beats is not None:
-                    self.beats.close()
-                self.beats = WatchedKeys(client, key, prefix=prefix)
+            self.beats = _replaced(self.beats, client, key, prefix)
             return self.beats
+
+    def joins_feed(self, client: EtcdClient, prefix: str) -> WatchedKeys:
+        """The watch of the keys under ``prefix`` (a round's joins), replacing the watch
+        of another round's."""
+        with self.lock:
+            self.joins = _replaced(self.joins, client, prefix, True)
+            return self.joins
+
+    def joins_now(self, prefix: str) -> dict[bytes, KeyValue] | None:
+        """The keys under ``prefix`` as a watch of them has them; None without one."""
+        with self.lock:
+            feed = self.joins
+        return feed.keys_now() if feed is not None and feed.key == prefix else None
 
     def close(self) -> None:
         with self.lock:
-            for feed in (self.state, self.beats):
+            for feed in (self.state, self.beats, self.joins):
                 if feed is not None:
                     feed.close()
-            self.state = self.beats = None
+            self.state = self.beats = self.joins = None
+
+
+def _replaced(feed: WatchedKeys | None, client: EtcdClient, key: str, prefix: bool
+              ) -> WatchedKeys:
+    """``feed`` if it watches ``key`` (``prefix``: the keys under it), else a new watch of
+    them, the old one closed."""
+    if feed is not None and (feed.key, feed.prefix) == (key, prefix):
+        return feed
+    if feed is not None:
+        feed.close()
+    return WatchedKeys(client, key, prefix=prefix)

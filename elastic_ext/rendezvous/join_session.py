@@ -26,6 +26,7 @@ from elastic_ext.control import AgentControl
 from elastic_ext.net import free_port
 from elastic_ext.rendezvous.backend import StoreBackend, Token
 from elastic_ext.rendezvous.clock import Clock
+from elastic_ext.rendezvous.closer_joins import CloserJoins
 from elastic_ext.rendezvous.errors import StoreUnavailableError
 from elastic_ext.rendezvous.events import EventKind, EventLog
 from elastic_ext.rendezvous.joins import (
@@ -33,7 +34,6 @@ from elastic_ext.rendezvous.joins import (
     closer_of,
     is_own_join,
     removed_members,
-    with_joins,
 )
 from elastic_ext.rendezvous.keeper import Keeper
 from elastic_ext.rendezvous.lifecycle import Lifecycle, read_state
@@ -113,8 +113,9 @@ class JoinSession:
         self._my_join: tuple[str, int] | None = None  # the open round we joined by key
         self._my_join_position = 0
         self._my_join_count = 0  # the round's join keys when ours was written
-        self._joins_read: tuple[tuple[str, int, int, RunState], list[tuple[str, bytes]]] \
-            | None = None
+        self._joins = CloserJoins(self._backend, self._limits.min_nodes,
+                                  self._limits.max_nodes)
+        self._read_at = float("-inf")  # when the loop last read the state itself
 
     def run(self) -> RunState:
         """The closed round this node is now a member of, recorded in ``Memory``.
@@ -150,7 +151,7 @@ class JoinSession:
         known: _Known | None = None  # what our last write saw
         while True:
             try:
-                state, token = known if known is not None else read_state(self._backend)
+                state, token = known if known is not None else self._read_state()
                 known = None
                 if state is None and memory.completed is not None \
                         and self._lifecycle.last_round_left(memory.last_order):
@@ -178,7 +179,7 @@ class JoinSession:
                         full_next = True  # decide that on the whole round, joins included
                     else:
                         if seen is not None:
-                            self._drop_joins(seen, removed_members(seen, decision.state))
+                            self._joins.drop(seen, removed_members(seen, decision.state))
                         known = self._write(decision.state, token)
                     continue
             except StoreUnavailableError as exc:
@@ -193,9 +194,26 @@ class JoinSession:
             if self._clock.monotonic() > deadline:
                 raise RendezvousTimeoutError(self._timeout_message(seen))
             if full:
-                self._clock.sleep(_POLL)  # the closer: joins come as keys, not state changes
+                known = self._wait_as_closer(state, token)
             else:
                 known = self._as_known(self._backend.wait_for_state(token, _WAKE_S, self._clock))
+
+    def _read_state(self) -> _Known:
+        self._read_at = self._clock.monotonic()
+        return read_state(self._backend)
+
+    def _wait_as_closer(self, state: RunState | None, token: Token | None) -> _Known | None:
+        """Between the closer's decisions: until a join comes (joins are keys, not state
+        changes; a watch on etcd) or ``_POLL`` passed (its other reasons to decide again
+        come with time: the last call, a death judged), then the state if it changed, as
+        the store's notice of it brought it; else the state it decided on, read anew at
+        least every ``_WAKE_S`` (a notice that never came)."""
+        if state is not None:
+            self._joins.wait(state, _POLL, self._clock)
+        change = self._backend.wait_for_state(token, 0.0, self._clock)
+        if change is False and self._clock.monotonic() - self._read_at < _WAKE_S:
+            return state, token
+        return self._as_known(change)
 
     def _wait_out_outage(self, exc: StoreUnavailableError, deadline: float) -> None:
         """Inside a rendezvous an outage is waited out until the join deadline when the
@@ -272,19 +290,7 @@ class JoinSession:
         when this node watches everyone."""
         if state is None or state.phase is not Phase.OPEN or state.status is not Status.ACTIVE:
             return state
-        # The closer looks every _POLL: it reads the join keys again only when there are
-        # more of them (or the state changed), and not while they cannot make MIN nodes:
-        # nothing it decides then waits on who joined (at N joins one by one, a read at
-        # each was O(N²) for the closer).
-        count = self._backend.count_joins(state.generation, state.round)
-        key = (state.generation, state.round, count, state)
-        last = self._joins_read
-        below_min = last is not None and last[0][:2] == key[:2] and last[0][3] == state \
-            and len(state.members) + count < self._limits.min_nodes
-        if last is None or (last[0] != key and not below_min):
-            last = self._joins_read = (key, self._backend.read_joins(state.generation,
-                                                                     state.round))
-        merged = with_joins(state, last[1], self._limits.max_nodes)
+        merged = self._joins.merged(state)
         self._keeper.watch_also(merged.known_nodes())
         return merged
 
@@ -304,11 +310,6 @@ class JoinSession:
         self._my_join = key
         logger.debug("etcd-ext: joined open round %d as number %d", state.round,
                      self._my_join_position)
-
-    def _drop_joins(self, state: RunState, nodes: list[str]) -> None:
-        self._joins_read = None
-        if nodes:
-            self._backend.drop_joins(state.generation, state.round, nodes)
 
     def _write(self, new: RunState, token: Token | None) -> _Known | None:
         """Compare-and-swap ``new``; the state as the store holds it now (ours or the one
