@@ -752,3 +752,32 @@ def test_rank_0_drops_an_old_rounds_keys_only_a_grace_after_the_round_completed(
     lab.clock.now += OLD_ROUND_GRACE_S
     lab.handler.next_rendezvous()
     assert lab.state().round == 4 and rounds_kept() == [3, 4]
+
+
+def test_a_node_takes_over_a_round_its_live_closer_leaves_idle_reading_the_count_seldom(
+        make_lab, monkeypatch) -> None:
+    """A closer that beats but never closes (its rendezvous gone): the joiner decides on
+    the round itself after the idle limit, and meanwhile reads the join count only every
+    half of that limit (every waiting agent reads it: once a second at 1,024 agents was
+    1,024 requests a second while a round stayed open)."""
+    lab = make_lab(nnodes=(2, 3))  # our join does not fill the round: the closer decides
+    lab.peer.beat("peer")
+    lab.put_state(dataclasses.replace(closed_round(("peer",)), phase=Phase.OPEN, order=()))
+    lab.clock.on_sleep.append(lambda: lab.peer.beat("peer"))  # alive, never closing
+    counted: list[float] = []
+    count_joins = MemoryBackend.count_joins
+
+    def counting(self: MemoryBackend, generation: str, round_: int) -> int:
+        counted.append(lab.clock.now)
+        return count_joins(self, generation, round_)
+    monkeypatch.setattr(MemoryBackend, "count_joins", counting)
+    began = lab.clock.now
+    info = lab.handler.next_rendezvous()
+    assert (info.rank, info.world_size) == (1, 2)
+    assert lab.state().order == ("peer", ME)
+    # the idle limit at join position 2 of 3: (last call 1 s + heartbeat 3 s) * (1 + 2/3)
+    idle_limit = 4.0 * (1 + 2 / 3)
+    took_over = next(at for at in counted if at - began >= idle_limit)
+    assert took_over - began <= 1.5 * idle_limit + 1.0
+    waiting = counted[:counted.index(took_over) + 1]  # then it reads as the closer does
+    assert len(waiting) <= 3, waiting  # one a second was 7

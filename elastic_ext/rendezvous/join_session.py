@@ -264,23 +264,29 @@ class JoinSession:
         (no new join) for longer than its closer should take, when this node takes over
         (``Memory.take_over``); a watch on etcd, not a poll. The idle limit grows with this
         node's join position, so that the earliest joiner takes over first rather than
-        everyone at once."""
+        everyone at once. The join count, a request, is read every half of that limit:
+        every waiting agent reads it (once a second at 1,024 agents was 1,024 requests a
+        second for as long as the round stayed open)."""
         closer = closer_of(state)
         idle_limit = (self._settings.timeouts.last_call + self._settings.timeouts.heartbeat) \
             * (1 + min(1.0, self._my_join_position / max(1, self._limits.max_nodes)))
         joins = self._my_join_count
-        moved_at = self._clock.monotonic()
+        moved_at = counted_at = self._clock.monotonic()
         while self._clock.monotonic() < deadline:
             change = self._backend.wait_for_state(token, _WAKE_S, self._clock)
             if change or (closer is not None and self._keeper.dead_among({closer})):
                 return self._as_known(change)
+            now = self._clock.monotonic()
+            if now - counted_at < idle_limit / 2:
+                continue
+            counted_at = now
             count = self._backend.count_joins(state.generation, state.round)
             if count != joins:
-                joins, moved_at = count, self._clock.monotonic()
-            elif self._clock.monotonic() - moved_at >= idle_limit:
+                joins, moved_at = count, now
+            elif now - moved_at >= idle_limit:
                 logger.info("etcd-ext: round %d is still open %.1fs after its last join; "
                             "deciding on it instead of its closer %s", state.round,
-                            self._clock.monotonic() - moved_at, closer)
+                            now - moved_at, closer)
                 self._memory.take_over = (state.generation, state.round)
                 return None
         raise RendezvousTimeoutError(self._timeout_message(state))
