@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,12 +17,14 @@ from pathlib import Path
 import pytest
 
 from elastic_ext.control import AgentControl
+from elastic_ext.local.processes import wait_until
 from elastic_ext.rendezvous.backend import heartbeat_value, parse_beat, presence_port_of
 from elastic_ext.rendezvous.events import EventLog
 from elastic_ext.rendezvous.keeper import Keeper
 from elastic_ext.rendezvous.policy import Limits
 from elastic_ext.rendezvous.presence import (
     PROBE_TIMEOUT_S,
+    STRIKES,
     PresenceListener,
     PresenceProbe,
     PresenceWatch,
@@ -167,6 +170,80 @@ def test_a_watch_holds_connections_to_listeners_and_lets_go_of_dropped_ones(
     finally:
         watch.close()
         listener.close()
+
+
+class Middlebox:
+    """A port on the path that accepts every connection and then closes it (some networks'
+    proxies do; this sandbox's did for 10.0.0.1), or, with ``hold``, keeps each until the
+    test ends it (an idle timeout of a load balancer or NAT)."""
+
+    def __init__(self, hold: bool) -> None:
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self.accepted: list[socket.socket] = []
+        self._hold = hold
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self._server.accept()
+                self.accepted.append(conn)
+                if not self._hold:
+                    conn.close()
+
+    def end_held(self) -> None:
+        for conn in self.accepted:
+            conn.close()
+
+    def close(self) -> None:
+        self._server.close()
+        self.end_held()
+
+
+def ticks(watch: PresenceWatch, targets: dict[str, tuple[str, int]], n: int
+          ) -> list[frozenset[str]]:
+    """``n`` of a keeper's ticks, as fast as a test may."""
+    found = []
+    for _ in range(n):
+        found.append(watch.gone_among(targets))
+        time.sleep(0.02)
+    return found
+
+
+def test_a_connection_the_path_ends_is_no_death_and_one_it_always_ends_is_let_go() -> None:
+    """A held connection that ends proves a death only when the port then refuses: a
+    proxy that accepts and closes every connection made the watcher restart live nodes."""
+    box, watch = Middlebox(hold=False), PresenceWatch()
+    target = {"n": ("127.0.0.1", box.port)}
+    try:
+        assert not any(ticks(watch, target, 40))
+        made = len(box.accepted)
+        # each ended connection was dialled again once: held, then confirmed
+        assert made == 2 * STRIKES, made
+        assert not any(ticks(watch, target, 10))
+        assert len(box.accepted) == made  # let go: its death is the heartbeat's to find
+    finally:
+        watch.close()
+        box.close()
+
+
+def test_an_idle_connection_the_path_ends_is_made_again_and_a_death_still_found() -> None:
+    box, watch = Middlebox(hold=True), PresenceWatch()
+    target = {"n": ("127.0.0.1", box.port)}
+    try:
+        assert not any(ticks(watch, target, 5))
+        assert len(box.accepted) == 1
+        box.end_held()  # an idle timeout on the path
+        assert not any(ticks(watch, target, 5))
+        wait_until(lambda: len(box.accepted) == 3, 2.0, 0.01, "the dial and the new hold")
+        box.close()  # now nobody listens: the agent died
+        began = time.monotonic()
+        assert gone_within(watch, target, 5.0) == {"n"}
+        assert time.monotonic() - began < 0.5
+    finally:
+        watch.close()
+        box.close()
 
 
 def test_silent_nodes_are_declared_dead_on_time_and_the_keeper_never_waits_on_a_probe(

@@ -13,7 +13,12 @@ waits as before.
 The keeper holds a connection to the port of each node it watches (``PresenceWatch``):
 when an agent dies, its kernel closes that connection, and the keeper's next tick reads
 it as ended, with no probe and no heartbeat timeout. A frozen agent's kernel keeps it
-open; a dead machine or a cut network says nothing: those wait for the heartbeat.
+open; a dead machine or a cut network says nothing: those wait for the heartbeat. An
+ended connection alone is no proof: a proxy, a load balancer or a NAT on the path may end
+an idle one, and some networks accept any connection and close it. So the watch dials
+again at once: only a refusal (nobody listens any more) makes the node gone; a port that
+still answers was a middlebox, and one whose connections keep ending at once is left to
+its heartbeat.
 
 The same ports tell whether nodes can reach each other at all: after a round that
 failed, or ended before a training step, each agent checks that it can connect to the
@@ -36,6 +41,13 @@ from concurrent.futures import ThreadPoolExecutor
 logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 0.2
+CONFIRM_S = 0.05
+"""How long a watch waits on its second dial to a node whose held connection ended: a dead
+agent's kernel refuses within a round trip."""
+STRIKES = 3
+"""Held connections to a live port that end within ``SHORT_LIVED_S`` of being made, this
+many in a row: the path ends them (a middlebox), so the watch stops holding one."""
+SHORT_LIVED_S = 60.0
 REPROBE_AFTER_S = 0.2
 REACH_TIMEOUT_S = 1.0
 _REACH_THREADS = 32
@@ -110,6 +122,8 @@ class PresenceWatch:
         self._selector = selectors.DefaultSelector()
         self._conns: dict[tuple[str, int], socket.socket] = {}
         self._gone: set[tuple[str, int]] = set()
+        self._made_at: dict[tuple[str, int], float] = {}
+        self._strikes: dict[tuple[str, int], int] = {}  # short-lived connections in a row
         self._fd_room = _fd_room()
         self._told_room = False
 
@@ -119,7 +133,7 @@ class PresenceWatch:
         wanted = set(targets.values())
         for key in [k for k in self._conns if k not in wanted]:
             self._drop(key)
-        for key in wanted - self._conns.keys() - self._gone:
+        for key in wanted - self._conns.keys() - self._gone - self._ended_by_the_path():
             if len(self._conns) < self._fd_room:
                 self._connect(key)
             elif not self._told_room:
@@ -149,6 +163,7 @@ class PresenceWatch:
             sock.close()  # no route, say: tried again at the next call
             return
         self._conns[key] = sock
+        self._made_at[key] = time.monotonic()
         self._selector.register(sock, selectors.EVENT_WRITE if code else selectors.EVENT_READ,
                                 key)
 
@@ -164,14 +179,30 @@ class PresenceWatch:
                 self._found_gone(key)
             return
         if _ended(sock):
+            lived = time.monotonic() - self._made_at.get(key, 0.0)
             self._drop(key)
-            self._found_gone(key)
+            answer = _dial(*key, CONFIRM_S)
+            if answer == "refused":
+                self._found_gone(key)
+            elif answer == "connected":  # the port answers: the path ended the connection
+                strikes = self._strikes.get(key, 0) + 1 if lived < SHORT_LIVED_S else 1
+                self._strikes[key] = strikes
+                if strikes == STRIKES:
+                    logger.warning(
+                        "etcd-ext: connections to the agent at %s:%d end while its port "
+                        "still answers (a proxy, load balancer or NAT on the path?): its "
+                        "death will be found by its heartbeat, not at once", *key)
+
+    def _ended_by_the_path(self) -> set[tuple[str, int]]:
+        """The ports whose held connections the path keeps ending: not held any more."""
+        return {key for key, strikes in self._strikes.items() if strikes >= STRIKES}
 
     def _found_gone(self, key: tuple[str, int]) -> None:
         logger.info("etcd-ext: the agent at %s:%d is gone (its presence port closed)", *key)
         self._gone.add(key)
 
     def _drop(self, key: tuple[str, int]) -> None:
+        self._made_at.pop(key, None)
         sock = self._conns.pop(key)
         self._selector.unregister(sock)
         sock.close()
