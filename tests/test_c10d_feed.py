@@ -4,6 +4,7 @@ write, wakes at the write, and the keys that wake it do not pile up."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 from torch.distributed import PrefixStore, TCPStore
 
-from elastic_ext.rendezvous.c10d_backend import list_keys
+from elastic_ext.rendezvous.c10d_backend import C10dBackend, list_keys
 from elastic_ext.rendezvous.c10d_feed import (
     CHANGED_KEPT,
     STATE_SEQ,
@@ -20,6 +21,8 @@ from elastic_ext.rendezvous.c10d_feed import (
     announce_write,
     read_count,
 )
+from elastic_ext.rendezvous.clock import SystemClock
+from tests.support.stores import settings_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -129,3 +132,35 @@ def test_a_feed_closed_after_the_run_was_removed_still_stops(server: TCPStore) -
     feed.close()
     assert not feed._thread.is_alive()
     assert [k for k in list_keys(server) or [] if k.startswith("/run/")] == []
+
+
+def test_the_closer_waits_for_a_join_without_reading_the_count_meanwhile(
+        server: TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 27: the closer of an open round on the embedded store read the join count every
+    50 ms; it now waits on the key the next join creates, on a connection of its own."""
+    settings = settings_for(f"c10d://127.0.0.1:{server.port}", "run1")
+    closer, joiner = C10dBackend(settings, server), C10dBackend(settings, server)
+    reads: list[str] = []
+    count_joins = C10dBackend.count_joins
+
+    def counting(self: C10dBackend, generation: str, round_: int) -> int:
+        reads.append(generation)
+        return count_joins(self, generation, round_)
+    monkeypatch.setattr(C10dBackend, "count_joins", counting)
+    clock = SystemClock()
+    try:
+        joiner.join("g", 1, "n1", b"e1")
+        began = time.monotonic()
+        assert not closer.wait_for_joins("g", 1, 1, 0.5, clock)  # nobody joins meanwhile
+        assert time.monotonic() - began >= 0.45 and not reads
+        timer = threading.Timer(0.2, lambda: joiner.join("g", 1, "n2", b"e2"))
+        timer.start()
+        began = time.monotonic()
+        assert closer.wait_for_joins("g", 1, 1, 10.0, clock)
+        timer.join()
+        assert time.monotonic() - began < 2.0 and not reads
+        assert closer.read_joins("g", 1) == [("n1", b"e1"), ("n2", b"e2")]
+        assert closer.wait_for_joins("g", 2, 0, 0.1, clock) is False  # a new round's feed
+    finally:
+        closer.close()
+    assert not reads

@@ -7,7 +7,8 @@ fails at once, and they exit. A store that survives a node is etcd's job (a 3-me
 cluster); the embedded store takes exactly one endpoint (``settings.py``).
 
 A node waiting on the state costs the store no request: a connection of its own blocks in
-``TCPStore.wait`` on the key the next state write creates (``c10d_feed.WriteFeed``). Where torch's
+``TCPStore.wait`` on the key the next state write creates (``c10d_feed.WriteFeed``), and the
+closer of an open round waits on the key the next join creates the same way. Where torch's
 TCPStore can list its keys (``list_keys``, torch >= 2.10) a closed round's join keys and
 round store are deleted and ``elastic-ext list`` works; before, they lived as long as the
 store.
@@ -50,6 +51,10 @@ from elastic_ext.torch_compat import matches_machine_hostname
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+JOINED = "joined/"
+"""``join/<generation>/<round>/joined/<n>``: created by the round's n-th join, after its
+entry, to wake the closer (the entry's own key is never touched by the wake-up)."""
 
 STORE_ERRORS = (RuntimeError, ValueError, TimeoutError)
 
@@ -123,6 +128,7 @@ class C10dBackend(StoreBackend):
         self._key_root = settings.run_prefix + "/"  # this run's keys as the TCPStore names them
         self._feed = feed or SharedWriteFeed()  # started when first waited on; clones share it
         self._owns_feed = feed is None
+        self._joins_feed: tuple[str, WriteFeed] | None = None  # (round's prefix, its joins)
 
     @classmethod
     def connect(cls, settings: Settings, *, may_host: bool = True) -> C10dBackend:
@@ -219,8 +225,22 @@ class C10dBackend(StoreBackend):
         def write() -> int:
             position = self._store.add(prefix + "n", 1)
             self._store.set(f"{prefix}{position}", node.encode() + b"\n" + entry)
+            self._store.set(f"{prefix}{JOINED}{position}", b"")  # wakes the closer's wait
             return position
         return self._run("join", write)
+
+    def wait_for_joins(self, generation: str, round_: int, count: int, timeout: float,
+                       clock: Clock) -> bool:
+        """Blocks in ``TCPStore.wait`` on the key the next join creates, on a connection of
+        its own for the round (``c10d_feed.WriteFeed``): no request while nobody joins."""
+        prefix = f"join/{generation}/{round_}/"
+        if self._joins_feed is None or self._joins_feed[0] != prefix:
+            if self._joins_feed is not None:
+                self._joins_feed[1].close()
+            self._joins_feed = (prefix, WriteFeed(lambda: self.clone()._store, poke=self._store,
+                                                  counter=prefix + "n",
+                                                  marker=prefix + JOINED))
+        return self._joins_feed[1].wait_past(count, timeout)
 
     def _numbered_joins(self, generation: str, round_: int) -> list[tuple[str, str, bytes]]:
         """(key, node, entry) of every join of the round, in order; a node that joined
@@ -357,6 +377,9 @@ class C10dBackend(StoreBackend):
     def close(self) -> None:
         if self._owns_feed:
             self._feed.close()
+        if self._joins_feed is not None:
+            self._joins_feed[1].close()
+            self._joins_feed = None
 
     def clone(self) -> C10dBackend:
         endpoint = self._settings.endpoints[0]

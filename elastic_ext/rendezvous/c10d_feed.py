@@ -3,7 +3,8 @@ and reads of its keys and counters that never wait and never create a key.
 
 Each state write adds one to ``STATE_SEQ`` and creates ``changed/<count>``; a waiter reads
 the count, then blocks in ``TCPStore.wait`` on the key of the next write. A TCPStore
-cannot watch a key, and waiting on one costs the store nothing until it appears.
+cannot watch a key, and waiting on one costs the store nothing until it appears. The
+joins of an open round are counted the same way, for its closer (``c10d_backend``).
 """
 
 from __future__ import annotations
@@ -66,10 +67,11 @@ def announce_write(store: CountingStore) -> int:
 
 
 class WriteFeed:
-    """The count of the run's state writes, as a store connection of its own learns it: it
-    blocks in ``TCPStore.wait`` on the key the next write creates, so a node waiting in an
-    open round costs the store no request until the state changes (it read the count 20
-    times a second before). c10d logs a warning when a wait times out, so one wait lasts
+    """The count of the run's state writes (or of another ``counter`` whose every step
+    creates ``marker<count>``), as a store connection of its own learns it: it blocks in
+    ``TCPStore.wait`` on the key the next write creates, so a node waiting in an open round
+    costs the store no request until the state changes (it read the count 20 times a
+    second before). c10d logs a warning when a wait times out, so one wait lasts
     ``WAIT_S``; a caller whose wait ends reads the count once itself, so a change the
     feed missed is late by at most one of its waits, never lost.
 
@@ -81,9 +83,11 @@ class WriteFeed:
     WAIT_S = 3600.0
     JOIN_S = 2.0
 
-    def __init__(self, connect: Callable[[], CountingStore], poke: CountingStore) -> None:
+    def __init__(self, connect: Callable[[], CountingStore], poke: CountingStore,
+                 counter: str = STATE_SEQ, marker: str = CHANGED) -> None:
         self._connect = connect
         self._poke = poke
+        self._counter, self._marker = counter, marker
         self._changed = threading.Condition()
         self._count: int | None = None
         self._broken = False
@@ -98,7 +102,7 @@ class WriteFeed:
         try:
             store = self._connect()
             while not self._stop.is_set():
-                count = read_count(store, STATE_SEQ)
+                count = read_count(store, self._counter)
                 with self._changed:
                     moved, self._count = count != self._count, count
                     self._changed.notify_all()
@@ -106,7 +110,7 @@ class WriteFeed:
                 for listener in listeners:
                     listener()
                 try:
-                    store.wait([f"{CHANGED}{count + 1}"], timedelta(seconds=self.WAIT_S))
+                    store.wait([f"{self._marker}{count + 1}"], timedelta(seconds=self.WAIT_S))
                 except DistStoreError as exc:
                     if "timeout" not in str(exc):
                         raise
@@ -142,7 +146,7 @@ class WriteFeed:
             with self._changed:
                 count = self._count  # the thread waits on the key of the write after it
             if count is not None:
-                key = f"{CHANGED}{count + 1}"
+                key = f"{self._marker}{count + 1}"
                 try:
                     self._poke.set(key, b"")
                     self._poke.delete_key(key)
