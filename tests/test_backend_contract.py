@@ -292,12 +292,13 @@ def test_a_join_wakes_a_wait_for_joins_and_what_is_read_after_it_has_it(make_bac
     assert a.join("g", 1, "n1", b"e1") == 1
     count = a.count_joins("g", 1)
     began = clock.monotonic()
-    assert not a.wait_for_joins("g", 1, count, 0.3, clock)  # nobody joins: it waits it out
+    assert a.wait_for_joins("g", 1, count, 0.3, clock)  # there are that many already
+    assert not a.wait_for_joins("g", 1, count + 1, 0.3, clock)  # nobody joins: waited out
     assert clock.monotonic() - began >= 0.25
     timer = threading.Timer(0.2, lambda: b.join("g", 1, "n2", b"e2"))
     timer.start()
     began = clock.monotonic()
-    assert a.wait_for_joins("g", 1, count, 10.0, clock)
+    assert a.wait_for_joins("g", 1, count + 1, 10.0, clock)
     timer.join()
     assert clock.monotonic() - began < 5.0
     assert a.read_joins("g", 1) == [("n1", b"e1"), ("n2", b"e2")]
@@ -305,7 +306,7 @@ def test_a_join_wakes_a_wait_for_joins_and_what_is_read_after_it_has_it(make_bac
     a.drop_joins("g", 1, ["n1"])
     assert a.read_joins("g", 1) == [("n2", b"e2")]  # at once, from a watch or not
     b.join("g", 1, "n1", b"again")
-    assert a.wait_for_joins("g", 1, count, 10.0, clock)
+    assert a.wait_for_joins("g", 1, 2, 10.0, clock)
     assert a.read_joins("g", 1) == [("n2", b"e2"), ("n1", b"again")]
     b.join("g", 2, "n3", b"e3")  # another round's joins, read while the wait watches round 1
     assert a.read_joins("g", 2) == [("n3", b"e3")] and a.count_joins("g", 2) == 1

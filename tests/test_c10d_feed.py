@@ -151,16 +151,16 @@ def test_the_closer_waits_for_a_join_without_reading_the_count_meanwhile(
     try:
         joiner.join("g", 1, "n1", b"e1")
         began = time.monotonic()
-        assert not closer.wait_for_joins("g", 1, 1, 0.5, clock)  # nobody joins meanwhile
+        assert not closer.wait_for_joins("g", 1, 2, 0.5, clock)  # nobody joins meanwhile
         assert time.monotonic() - began >= 0.45 and not reads
         timer = threading.Timer(0.2, lambda: joiner.join("g", 1, "n2", b"e2"))
         timer.start()
         began = time.monotonic()
-        assert closer.wait_for_joins("g", 1, 1, 10.0, clock)
+        assert closer.wait_for_joins("g", 1, 2, 10.0, clock)
         timer.join()
         assert time.monotonic() - began < 2.0 and not reads
         assert closer.read_joins("g", 1) == [("n1", b"e1"), ("n2", b"e2")]
-        assert closer.wait_for_joins("g", 2, 0, 0.1, clock) is False  # a new round's feed
+        assert closer.wait_for_joins("g", 2, 1, 0.1, clock) is False  # a new round's feed
     finally:
         closer.close()
     assert not reads

@@ -413,6 +413,40 @@ def test_the_closer_reads_the_joins_again_only_once_they_can_make_min_nodes(
     assert counts["join_lists_read"] == 2, counts
 
 
+def test_the_closer_decides_again_below_min_only_once_a_second_or_when_min_is_reached(
+        tmp_path: Path) -> None:
+    # It decided on its whole round every 50 ms, or at each join once it waited on them:
+    # at N joins below MIN, O(N) work each time, though nothing it decides waits on them.
+    store, counts = MemoryStore(), Counter[str]()
+    peer = MemoryBackend(store)
+    joined: list[str] = []
+    join_at = [1.0 * i for i in range(1, 6)]  # one join a simulated second
+
+    class SlowJoins(Clock):
+        def sleep(self, seconds: float) -> None:
+            super().sleep(seconds)
+            current = peer.get_state()
+            if current is not None and join_at and self.now >= join_at[0]:
+                join_at.pop(0)
+                state = RunState.from_bytes(current[0])
+                joined.append(f"p{len(joined)}")
+                peer.join(state.generation, state.round, joined[-1], entry(2000 + len(joined)))
+
+    clock = SlowJoins()
+    handler = EtcdExtRendezvousHandler(
+        settings_for("127.0.0.1:2379", "run1", (6, 6), join_timeout="60"),
+        CountingBackend(store, counts), backend_name="etcd-ext", node_id="closer",
+        control=AgentControl(tmp_path / "c"), clock=clock, keeper_thread=False)
+    try:
+        info = handler.next_rendezvous()
+    finally:
+        handler.keeper.stop()
+    assert (info.rank, info.world_size) == (0, 6) and 5.0 <= clock.now < 6.0
+    # a read of the state per decision: about one a second for the five seconds below MIN
+    # and those of starting the generation (12 here; 107 when it decided every 50 ms)
+    assert counts["state_reads"] <= 15, counts
+
+
 def test_the_closer_probes_the_nodes_it_waits_for_only_once_its_round_could_close(
         tmp_path: Path) -> None:
     # It probed every node of the last round not yet read among the joins, every 0.2 s:

@@ -220,16 +220,16 @@ class StoreBackend(ABC):
     def count_joins(self, generation: str, round_: int) -> int:
         """How many join entries the round has, read without them (a few bytes)."""
 
-    def wait_for_joins(self, generation: str, round_: int, count: int, timeout: float,
+    def wait_for_joins(self, generation: str, round_: int, at_least: int, timeout: float,
                        clock: Clock) -> bool:
-        """Wait until the round's ``count_joins`` differs from ``count``: True when it
-        does, False after about ``timeout`` seconds of ``clock``. The closer of an open
-        round waits here between its decisions. Stores that notify wake at the join (etcd:
-        a watch of the round's join keys, from which ``count_joins`` and ``read_joins`` of
-        that round are then answered without a request); this default reads the count
-        every ``STATE_POLL_S``. Never raises: it returns True and the caller's next read
-        reports the store."""
-        return poll_until(lambda: self.count_joins(generation, round_) != count, timeout,
+        """Wait until the round's ``count_joins`` is ``at_least`` or more: True when it
+        is, False after about ``timeout`` seconds of ``clock``. The closer of an open round
+        waits here between its decisions. Stores that notify wake at the join (etcd: a
+        watch of the round's join keys, from which ``count_joins`` and ``read_joins`` of
+        that round are then answered without a request; the embedded store: a wait on the
+        key the next join creates); this default reads the count every ``STATE_POLL_S``.
+        Never raises: it returns True and the caller's next read reports the store."""
+        return poll_until(lambda: self.count_joins(generation, round_) >= at_least, timeout,
                           clock)
 
     @abstractmethod

@@ -229,7 +229,7 @@ class C10dBackend(StoreBackend):
             return position
         return self._run("join", write)
 
-    def wait_for_joins(self, generation: str, round_: int, count: int, timeout: float,
+    def wait_for_joins(self, generation: str, round_: int, at_least: int, timeout: float,
                        clock: Clock) -> bool:
         """Blocks in ``TCPStore.wait`` on the key the next join creates, on a connection of
         its own for the round (``c10d_feed.WriteFeed``): no request while nobody joins."""
@@ -240,7 +240,7 @@ class C10dBackend(StoreBackend):
             self._joins_feed = (prefix, WriteFeed(lambda: self.clone()._store, poke=self._store,
                                                   counter=prefix + "n",
                                                   marker=prefix + JOINED))
-        return self._joins_feed[1].wait_past(count, timeout)
+        return self._joins_feed[1].wait_for(lambda count: count >= at_least, timeout)
 
     def _numbered_joins(self, generation: str, round_: int) -> list[tuple[str, str, bytes]]:
         """(key, node, entry) of every join of the round, in order; a node that joined

@@ -129,9 +129,14 @@ class WriteFeed:
     def wait_past(self, count: int, timeout: float) -> bool:
         """True once a write after the ``count``-th is known, or the store broke; False
         after ``timeout`` seconds without either."""
+        return self.wait_for(lambda known: known != count, timeout)
+
+    def wait_for(self, done: Callable[[int], bool], timeout: float) -> bool:
+        """True once the count is known and ``done`` with it, or the store broke; False
+        after ``timeout`` seconds without either."""
         with self._changed:
             return self._changed.wait_for(
-                lambda: self._broken or (self._count is not None and self._count != count),
+                lambda: self._broken or (self._count is not None and done(self._count)),
                 timeout)
 
     def close(self) -> None:

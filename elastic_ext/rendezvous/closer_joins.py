@@ -47,12 +47,18 @@ class CloserJoins:
         if nodes:
             self._backend.drop_joins(state.generation, state.round, nodes)
 
-    def wait(self, state: RunState, timeout: float, clock: Clock) -> None:
+    def wait(self, state: RunState, timeout: float, below_min_timeout: float,
+             clock: Clock) -> None:
         """Until a join comes to the round ``state`` after those last seen, or ``timeout``
-        seconds of ``clock`` passed."""
+        seconds of ``clock`` passed; while the joins cannot make MIN nodes, until they can,
+        or ``below_min_timeout`` passed: nothing the closer decides then waits on a join,
+        and deciding again at each of N joins was O(N²) for it."""
         seen = self._seen
-        if seen is not None and seen[:2] == (state.generation, state.round):
-            self._backend.wait_for_joins(state.generation, state.round, seen[2], timeout,
-                                         clock)
-        else:
+        if seen is None or seen[:2] != (state.generation, state.round):
             clock.sleep(timeout)
+            return
+        at_least = seen[2] + 1
+        making_min = self._min_nodes - len(state.members)
+        if seen[2] < making_min:
+            at_least, timeout = making_min, below_min_timeout
+        self._backend.wait_for_joins(state.generation, state.round, at_least, timeout, clock)

@@ -162,13 +162,13 @@ class EtcdBackend(StoreBackend):
         replies = self._client.txn([op_range(prefix, prefix=True, count_only=True)])
         return range_reply(replies[0])[1]
 
-    def wait_for_joins(self, generation: str, round_: int, count: int, timeout: float,
+    def wait_for_joins(self, generation: str, round_: int, at_least: int, timeout: float,
                        clock: Clock) -> bool:
         """A watch of the round's join keys (one per agent: the round it closes), which
         ``count_joins`` and ``read_joins`` answer from while it lasts: each join reaches
         the closer once, and its waits and reads cost no request."""
         feed = self._feeds.joins_feed(self._client, self._join_prefix(generation, round_))
-        return feed.wait_until(lambda keys: len(keys) != count, timeout)
+        return feed.wait_until(lambda keys: len(keys) >= at_least, timeout)
 
     def read_joins(self, generation: str, round_: int) -> list[tuple[str, bytes]]:
         prefix = self._join_prefix(generation, round_)

@@ -215,9 +215,9 @@ class MeasuredBackend(StoreBackend):
         with self._metrics.request("count_joins"):
             return self._inner.count_joins(generation, round_)
 
-    def wait_for_joins(self, generation: str, round_: int, count: int, timeout: float,
+    def wait_for_joins(self, generation: str, round_: int, at_least: int, timeout: float,
                        clock: Clock) -> bool:
-        return self._inner.wait_for_joins(generation, round_, count, timeout, clock)
+        return self._inner.wait_for_joins(generation, round_, at_least, timeout, clock)
 
     def read_joins(self, generation: str, round_: int) -> list[tuple[str, bytes]]:
         with self._metrics.request("read_joins"):
