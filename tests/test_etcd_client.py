@@ -78,6 +78,34 @@ def test_server_version_check_refuses_something_that_is_not_etcd(processes, tmp_
         server.shutdown()
 
 
+def test_a_version_answer_late_once_is_asked_again_not_a_failed_start():
+    """1,024 agents starting at once: a busy etcd answered some agents' version check
+    after the request timeout, and those agents failed to start."""
+    import http.server
+    import socketserver
+
+    asked: list[float] = []
+
+    class SlowOnce(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            asked.append(time.monotonic())
+            if len(asked) == 1:
+                time.sleep(2.0)  # past request_timeout=1
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"etcdserver": "3.4.23", "etcdcluster": "3.4.0"}')
+
+        def log_message(self, *args):
+            pass
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), SlowOnce) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        client = EtcdClient(settings_for(f"127.0.0.1:{server.server_address[1]}",
+                                         request_timeout="1", connect_timeout="10"))
+        assert client.server_version() == "3.4.23"
+        assert len(asked) == 2
+        server.shutdown()
+
+
 def test_compare_and_swap_succeeds_again_within_5s_after_the_leader_is_killed(etcd_cluster):
     client = EtcdClient(settings_for(etcd_cluster.endpoints))
     ok, kv = client.compare_and_swap("/t/lead", b"0", None)

@@ -161,28 +161,40 @@ class EtcdClient:
 
     # -- the operations the rendezvous needs -------------------------------------------
     def server_version(self) -> str:
-        """Fails clearly on something that is not an etcd >= 3.4 serving the v3 gateway."""
-        last: Exception | None = None
-        for index, ep in enumerate(self._settings.endpoints):
-            try:
-                resp = self._session().get(f"{self._settings.scheme}://{ep}/version",
-                                           timeout=self._settings.timeouts.request)
-                version = resp.json()["etcdserver"]
-            except requests.exceptions.SSLError as exc:
-                raise StoreAuthError(f"TLS handshake with etcd at {ep} failed ({exc}); check "
-                                     "--rdzv-conf cacert / cert / key") from exc
-            except (requests.exceptions.RequestException, ValueError, KeyError) as exc:
-                last = exc
-                continue
-            parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
-            if parts < MIN_SERVER_VERSION:
-                raise ConfigError(f"etcd at {ep} is version {version}; etcd-ext needs the v3 API "
-                                  "of etcd >= 3.4 (its HTTP gateway)")
-            self._current = index
-            return version
-        raise StoreUnavailableError(
-            f"no etcd answered at {self._settings.describe_endpoints()} ({last}); check "
-            "--rdzv-endpoint and that etcd is running")
+        """Fails clearly on something that is not an etcd >= 3.4 serving the v3 gateway.
+        Every endpoint is asked again until ``connect_timeout``: at a large job's start a
+        busy etcd answers some agents late, and one slow answer must not end an agent."""
+        last: list[Exception] = []
+
+        def ask_each() -> str:
+            for index, ep in enumerate(self._settings.endpoints):
+                try:
+                    resp = self._session().get(f"{self._settings.scheme}://{ep}/version",
+                                               timeout=self._settings.timeouts.request)
+                    version = resp.json()["etcdserver"]
+                except requests.exceptions.SSLError as exc:
+                    raise StoreAuthError(f"TLS handshake with etcd at {ep} failed ({exc}); "
+                                         "check --rdzv-conf cacert / cert / key") from exc
+                except (requests.exceptions.RequestException, ValueError, KeyError) as exc:
+                    last.append(exc)
+                    continue
+                parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+                if parts < MIN_SERVER_VERSION:
+                    raise ConfigError(f"etcd at {ep} is version {version}; etcd-ext needs the "
+                                      "v3 API of etcd >= 3.4 (its HTTP gateway)")
+                self._current = index
+                return version
+            raise _Transient(str(last[-1]))
+
+        retrying = Retrying(stop=stop_after_delay(self._settings.timeouts.connect),
+                            wait=wait_exponential(multiplier=0.1, max=1.0),
+                            retry=retry_if_exception_type(_Transient), reraise=True)
+        try:
+            return retrying(ask_each)
+        except _Transient as exc:
+            raise StoreUnavailableError(
+                f"no etcd answered at {self._settings.describe_endpoints()} ({last[-1]}); "
+                "check --rdzv-endpoint and that etcd is running") from exc
 
     def get(self, key: str) -> KeyValue | None:
         kvs, _ = self.read_range(key)
