@@ -222,6 +222,32 @@ def test_an_outage_longer_than_the_join_timeout_fails_the_rendezvous(make_lab) -
     assert lab.clock.now - 1000.0 >= 5.0
 
 
+def test_a_store_slow_at_the_first_heartbeat_is_waited_for_until_the_join_timeout(
+        make_lab) -> None:
+    """1,024 agents starting at once: etcd answered an agent's version check, then not its
+    first heartbeat within connect_timeout, and the agent failed to start."""
+    lab = make_lab(join_timeout="30")
+    lab.store.down = True
+    back_at = lab.clock.now + 20.0
+
+    def come_back() -> None:
+        if lab.clock.now >= back_at:
+            lab.store.down = False
+    lab.clock.on_sleep.append(come_back)
+    assert lab.handler.next_rendezvous().world_size == 1
+    assert lab.clock.now >= back_at
+    late = make_lab(join_timeout="5")
+    late.store.down = True
+    with pytest.raises(StoreUnavailableError):
+        late.handler.next_rendezvous()
+    assert 5.0 <= late.clock.now - 1000.0 < 5.2
+    embedded = make_lab(transient=False)
+    embedded.store.down = True
+    with pytest.raises(StoreUnavailableError):
+        embedded.handler.next_rendezvous()
+    assert embedded.clock.now == 1000.0
+
+
 def test_losing_the_embedded_store_ends_the_rendezvous_at_once(make_lab) -> None:
     lab = make_lab(transient=False)
     lab.handler.next_rendezvous()

@@ -26,7 +26,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from elastic_ext.control import AgentControl
-from elastic_ext.rendezvous.backend import StoreBackend
+from elastic_ext.rendezvous.backend import STATE_POLL_S, StoreBackend
 from elastic_ext.rendezvous.clock import SYSTEM_CLOCK, Clock
 from elastic_ext.rendezvous.errors import StoreUnavailableError
 from elastic_ext.rendezvous.events import EventKind, EventLog
@@ -217,14 +217,28 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         return self._control.done_reported() or not spoke
 
     def _start_keeper(self) -> None:
-        """Heartbeat once and start the keeper, on the first rendezvous only.
+        """Heartbeat once and start the keeper, on the first rendezvous only. The store
+        answered when the handler was made (``connect``); one slow now (a busy etcd as a
+        large job starts) is waited for until ``join_timeout``, as inside a rendezvous.
 
         Raises:
-            StoreUnavailableError: the store is unreachable: fail fast and clearly.
+            StoreUnavailableError: the embedded store is gone, or etcd stayed unreachable
+                for ``join_timeout``.
         """
         if self._keeper_started:
             return
-        self._backend.beat(self._node, self.keeper.presence_port)
+        deadline = self._clock.monotonic() + self._settings.timeouts.join
+        while True:
+            try:
+                self._backend.beat(self._node, self.keeper.presence_port)
+                break
+            except StoreUnavailableError as exc:
+                if not self._backend.outages_are_transient or \
+                        self._clock.monotonic() > deadline:
+                    raise
+                logger.warning("etcd-ext: no answer to this agent's first heartbeat; still "
+                               "trying until the join timeout: %s", exc)
+                self._clock.sleep(STATE_POLL_S)
         self.keeper.tick()
         if self._keeper_thread:
             self.keeper.start()
