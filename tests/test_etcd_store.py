@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections import Counter
@@ -91,3 +93,42 @@ def test_more_agents_than_one_transaction_holds(etcd) -> None:
     assert store.multi_get(keys) == [f"default:{i}".encode() for i in range(agents)]
     store.wait(keys, timedelta(seconds=5))
     assert store.check(keys) and not store.check([*keys, "torchelastic/never"])
+
+
+def test_an_etcd_stalled_past_connect_timeout_is_waited_for_until_the_stores_timeout(
+        etcd) -> None:
+    """1,024 agents on 2 cores: etcd left an agent's rank-assignment request unanswered for
+    longer than connect_timeout, and the agent failed where torch waits up to the store's
+    timeout. A stalled etcd (SIGSTOP: a disk or CPU stall) stands in for the busy one."""
+    member = etcd.members[0]
+    assert member.proc is not None
+    settings = settings_for(member.endpoint, connect_timeout="2", request_timeout="0.5")
+    patient = EtcdV3Store(EtcdClient(settings), "/t/store/g/1/", timeout=timedelta(seconds=30))
+    hasty = EtcdV3Store(EtcdClient(settings), "/t/store/g/1/", timeout=timedelta(seconds=3))
+    patient.set("before", b"1")
+    hasty.set("before", b"1")
+    results: dict[str, object] = {}
+
+    def attempt(name: str, store: EtcdV3Store) -> threading.Thread:
+        def run() -> None:
+            began = time.monotonic()
+            try:
+                store.set(name, b"2")
+                results[name] = ("set", time.monotonic() - began)
+            except Exception as exc:  # what torch's agent would get
+                results[name] = (type(exc).__name__, time.monotonic() - began)
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+    os.kill(member.proc.popen.pid, signal.SIGSTOP)
+    try:
+        threads = [attempt("patient", patient), attempt("hasty", hasty)]
+        time.sleep(5.0)  # the stall: longer than connect_timeout and the hasty store's 3 s
+    finally:
+        os.kill(member.proc.popen.pid, signal.SIGCONT)
+    for thread in threads:
+        thread.join(timeout=30)
+    assert results["patient"][0] == "set", results  # type: ignore[index]
+    assert patient.get("patient") == b"2"
+    kind, after = results["hasty"]  # type: ignore[misc]
+    assert kind == "StoreUnavailableError" and 3.0 <= after < 6.0, results

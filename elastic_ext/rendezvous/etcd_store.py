@@ -5,6 +5,9 @@ barrier. torch's own ``EtcdStore`` speaks the v2 API, which etcd 3.6 removed.
 Every agent of a round waits on it at once (for rank 0's assignment, at the barrier), so
 a wait is a watch of the keys it waits for, not a read every few milliseconds: at 1,024
 agents a read every 20 ms is 51,200 requests a second for as long as the slowest takes.
+torch waits on a store up to its timeout, so an etcd that leaves a request unanswered for
+longer than ``connect_timeout`` (a busy etcd as a large job starts) is asked again until
+then, not an error that ends the agent.
 """
 
 from __future__ import annotations
@@ -13,8 +16,12 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
+from typing import TypeVar
 
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 from torch.distributed import Store
 
 from elastic_ext.rendezvous.errors import StoreUnavailableError
@@ -23,6 +30,7 @@ from elastic_ext.rendezvous.etcd_client import EtcdClient
 logger = logging.getLogger(__name__)
 
 _NEVER = threading.Event()  # a watch's stop that is never set: a wait ends by its deadline
+_T = TypeVar("_T")
 
 
 def _bytes(value: str | bytes) -> bytes:
@@ -45,18 +53,32 @@ class EtcdV3Store(Store):
     def _key(self, key: str) -> str:
         return self._prefix + key
 
+    def _patiently(self, operation: Callable[[], _T]) -> _T:
+        """``operation``, again while etcd does not answer, until the store's timeout."""
+        def said(state: object) -> None:
+            logger.warning("etcd-ext: the round's store on etcd did not answer; asking "
+                           "again until its timeout (%s)", self._timeout)
+        retrying = Retrying(stop=stop_after_delay(self._timeout.total_seconds()),
+                            wait=wait_exponential(multiplier=0.1, max=1.0),
+                            retry=retry_if_exception_type(StoreUnavailableError),
+                            before_sleep=said, reraise=True)
+        return retrying(operation)
+
     def set(self, key: str, value: str | bytes) -> None:
-        self._client.put(self._key(key), _bytes(value))
+        self._patiently(lambda: self._client.put(self._key(key), _bytes(value)))
 
     def get(self, key: str) -> bytes:
         return self._values([key], self._timeout)[0]
 
     def add(self, key: str, num: int) -> int:
-        return self._client.add(self._key(key), num)
+        return self._patiently(lambda: self._client.add(self._key(key), num))
 
     def compare_set(self, key: str, expected_value: str | bytes,
                     desired_value: str | bytes) -> bytes:
         expected, desired = _bytes(expected_value), _bytes(desired_value)
+        return self._patiently(lambda: self._compare_set(key, expected, desired))
+
+    def _compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         while True:
             current = self._client.get(self._key(key))
             if current is None and expected:
@@ -69,7 +91,8 @@ class EtcdV3Store(Store):
                 return desired
 
     def check(self, keys: list[str]) -> bool:
-        return all(kv is not None for kv in self._client.multi_get([self._key(k) for k in keys]))
+        names = [self._key(k) for k in keys]
+        return all(kv is not None for kv in self._patiently(lambda: self._client.multi_get(names)))
 
     def wait(self, keys: list[str], override_timeout: timedelta | None = None) -> None:
         self._values(keys, override_timeout if override_timeout is not None else self._timeout)
@@ -86,7 +109,8 @@ class EtcdV3Store(Store):
         names = [self._key(k) for k in keys]
         found: dict[str, bytes] = {}
         while True:
-            _read_into(self._client, [n for n in names if n not in found], found)
+            missing = [n for n in names if n not in found]
+            self._patiently(partial(_read_into, self._client, missing, found))
             if all(n in found for n in names):
                 return [found[n] for n in names]
             if time.monotonic() >= deadline:
@@ -94,16 +118,18 @@ class EtcdV3Store(Store):
             _watch_into(self._client, {n for n in names if n not in found}, found, deadline)
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        self._client.multi_put([(self._key(k), _bytes(v))
-                                for k, v in zip(keys, values, strict=True)])
+        pairs = [(self._key(k), _bytes(v)) for k, v in zip(keys, values, strict=True)]
+        self._patiently(lambda: self._client.multi_put(pairs))
 
     def delete_key(self, key: str) -> bool:
-        existed = self._client.get(self._key(key)) is not None
-        self._client.delete(self._key(key))
-        return existed
+        def delete() -> bool:
+            existed = self._client.get(self._key(key)) is not None
+            self._client.delete(self._key(key))
+            return existed
+        return self._patiently(delete)
 
     def num_keys(self) -> int:
-        return len(self._client.get_prefix(self._prefix))
+        return len(self._patiently(lambda: self._client.get_prefix(self._prefix)))
 
 
 class _AllWritten(Exception):
