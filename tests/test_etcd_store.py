@@ -107,7 +107,7 @@ def test_an_etcd_stalled_past_connect_timeout_is_waited_for_until_the_stores_tim
     hasty = EtcdV3Store(EtcdClient(settings), "/t/store/g/1/", timeout=timedelta(seconds=3))
     patient.set("before", b"1")
     hasty.set("before", b"1")
-    results: dict[str, object] = {}
+    results: dict[str, tuple[str, float]] = {}
 
     def attempt(name: str, store: EtcdV3Store) -> threading.Thread:
         def run() -> None:
@@ -128,7 +128,7 @@ def test_an_etcd_stalled_past_connect_timeout_is_waited_for_until_the_stores_tim
         os.kill(member.proc.popen.pid, signal.SIGCONT)
     for thread in threads:
         thread.join(timeout=30)
-    assert results["patient"][0] == "set", results  # type: ignore[index]
+    assert results["patient"][0] == "set", results
     assert patient.get("patient") == b"2"
-    kind, after = results["hasty"]  # type: ignore[misc]
+    kind, after = results["hasty"]
     assert kind == "StoreUnavailableError" and 3.0 <= after < 6.0, results
