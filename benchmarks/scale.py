@@ -102,6 +102,7 @@ SHORT = {"etcd": "etcd", "embedded": "embedded", "stock": "stock"}
 RES_OPTIONS = "timeout:1 attempts:1"
 POLL_S = 0.1  # torchrun's --monitor-interval default: how often its agent asks
 SETUP_TIMEOUT_S = 300.0  # workers importing torch, before the barrier (not timed)
+METRICS_TIMEOUT_S = 120.0  # an etcd that 1,024 agents keep busy answers its /metrics late
 ETCD_BIN = shutil.which("etcd") or "/usr/bin/etcd"
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _PR_SET_PDEATHSIG = 1
@@ -330,11 +331,11 @@ class Etcd:
 
     def requests(self) -> Counter[str]:
         """Messages etcd's gRPC server received so far, by method."""
-        return received_requests(f"http://127.0.0.1:{self.port}")
+        return received_requests(f"http://127.0.0.1:{self.port}", timeout=METRICS_TIMEOUT_S)
 
     def sent_bytes(self) -> int:
         """Bytes etcd sent its gRPC clients so far (the JSON gateway among them)."""
-        return sent_bytes(f"http://127.0.0.1:{self.port}")
+        return sent_bytes(f"http://127.0.0.1:{self.port}", timeout=METRICS_TIMEOUT_S)
 
     def cpu(self) -> float | None:
         return cpu_seconds(self.proc.pid)

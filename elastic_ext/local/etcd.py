@@ -148,16 +148,17 @@ def run_etcdctl(cluster: EtcdCluster, *args: str) -> str:
                           env={"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin"}).stdout
 
 
-def _metrics(client_url: str) -> str:
-    return requests.get(f"{client_url}/metrics", timeout=10,
+def _metrics(client_url: str, timeout: float) -> str:
+    return requests.get(f"{client_url}/metrics", timeout=timeout,
                         proxies={"http": "", "https": ""}).text
 
 
-def received_requests(client_url: str) -> Counter[str]:
+def received_requests(client_url: str, timeout: float = 10.0) -> Counter[str]:
     """Messages the etcd at ``client_url`` received so far, by gRPC method (its
-    ``/metrics``: unary calls and stream messages alike, through the gateway or not)."""
+    ``/metrics``: unary calls and stream messages alike, through the gateway or not);
+    ``timeout``: how long an etcd under load may take to answer."""
     counts: Counter[str] = Counter()
-    for line in _metrics(client_url).splitlines():
+    for line in _metrics(client_url, timeout).splitlines():
         if line.startswith("grpc_server_msg_received_total{"):
             labels, value = line.rsplit(" ", 1)
             method = re.search(r'grpc_method="([^"]*)"', labels)
@@ -165,10 +166,10 @@ def received_requests(client_url: str) -> Counter[str]:
     return counts
 
 
-def sent_bytes(client_url: str) -> int:
+def sent_bytes(client_url: str, timeout: float = 10.0) -> int:
     """Bytes the etcd at ``client_url`` sent to its gRPC clients so far (its JSON gateway
     is one of them: what the gateway passes on is about 4/3 of it, values in base64)."""
-    for line in _metrics(client_url).splitlines():
+    for line in _metrics(client_url, timeout).splitlines():
         if line.startswith("etcd_network_client_grpc_sent_bytes_total "):
             return int(float(line.rsplit(" ", 1)[1]))
     raise RuntimeError(f"etcd at {client_url} reports no etcd_network_client_grpc_sent_bytes_total")
