@@ -302,6 +302,12 @@ def cpu_seconds(pid: int) -> float | None:
 _http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
+def agent_cores(etcd_core: int) -> set[int]:
+    """The CPUs the agents may use when etcd is pinned to ``etcd_core`` (checked in
+    ``main``: there is another)."""
+    return os.sched_getaffinity(0) - {etcd_core}
+
+
 class Etcd:
     """A private one-member etcd on loopback."""
 
@@ -460,6 +466,8 @@ class Case:
         if self.backend == "etcd":
             self.etcd = Etcd(self.workdir)
             endpoint = f"127.0.0.1:{self.etcd.port}"
+            if self.args.etcd_core is not None:
+                os.sched_setaffinity(self.etcd.proc.pid, {self.args.etcd_core})
         else:
             port = free_ports(1, "127.0.0.1")[0]
             endpoint = f"c10d://127.0.0.1:{port}" if self.backend == "embedded" \
@@ -486,6 +494,9 @@ class Case:
                 proc = spawn([sys.executable, str(Path(__file__).resolve()), "--worker",
                               json.dumps(spec)], log, env=env, pass_fds=(barrier_read,),
                              pipes=True)
+                if self.args.etcd_core is not None and self.backend == "etcd":
+                    # before the imports: its threads and forks inherit it
+                    os.sched_setaffinity(proc.pid, agent_cores(self.args.etcd_core))
                 self.workers += [Worker(i, agents, proc, log, forked=self.args.forked)
                                  for i, agents in mine]
         except BaseException:
@@ -812,6 +823,10 @@ def main(argv: list[str] | None = None) -> int:
                              "(--per-process is then 1)")
     parser.add_argument("--res-options", action="store_true",
                         help=f'run the workers with RES_OPTIONS="{RES_OPTIONS}"')
+    parser.add_argument("--etcd-core", type=int, metavar="CPU",
+                        help="etcd pinned to this CPU, the agents to the others (etcd runs on "
+                             "machines of its own in a real job; on a small machine a "
+                             "thousand agents leave it almost no CPU)")
     parser.add_argument("--kill", type=int, default=1,
                         help="agents SIGKILLed after round 1 (each alone in its process); "
                              "--nnodes is N-KILL:N")
@@ -837,6 +852,10 @@ def main(argv: list[str] | None = None) -> int:
                      "at least 1")
     if unknown := [b for b in backends if b not in BACKENDS]:
         parser.error(f"unknown backend(s) {unknown}; use {', '.join(BACKENDS)}")
+    if args.etcd_core is not None and (args.etcd_core not in os.sched_getaffinity(0)
+                                       or len(os.sched_getaffinity(0)) < 2):
+        parser.error(f"--etcd-core {args.etcd_core}: not one of this process's CPUs "
+                     f"{sorted(os.sched_getaffinity(0))}, or no other CPU left for the agents")
     if "etcd" in backends and not Path(ETCD_BIN).exists():
         parser.error("the etcd server binary is not installed (apt-get install etcd-server)")
 
@@ -875,7 +894,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"- --nnodes=N-{args.kill}:N for every backend; stock c10d with last_call_timeout=1 "
           f"(etcd-ext's default; stock's own is 30); resolver: {resolver}"
           + (f"; etcd-ext --rdzv-conf {args.conf}" if args.conf else
-             "; etcd-ext with its defaults (heartbeat_interval 0.5 s, heartbeat_timeout 3 s)"))
+             "; etcd-ext with its defaults (heartbeat_interval 0.5 s, heartbeat_timeout 3 s)")
+          + (f"; etcd pinned to CPU {args.etcd_core}, the agents to the others"
+             if args.etcd_core is not None else ""))
     print("- round 1: start barrier -> every agent has its rank (handler built + "
           "next_rendezvous()" + (" + torchrun's worker rank assignment on the round's store"
                                  if args.worker_ranks else "")
