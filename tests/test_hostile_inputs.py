@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.server
 import socketserver
 import threading
+import time
 
 import pytest
 
@@ -45,8 +46,11 @@ def test_a_port_that_is_not_etcd_is_reported_as_not_etcd():
     with socketserver.TCPServer(("127.0.0.1", 0), Html) as server:
         threading.Thread(target=server.serve_forever, daemon=True).start()
         endpoint = f"127.0.0.1:{server.server_address[1]}"
+        began = time.monotonic()
         with pytest.raises(StoreUnavailableError, match=f"no etcd answered at http://{endpoint}"):
             EtcdBackend.connect(settings_for(endpoint))
+        # at once: an answer that is not etcd's is not asked again (a slow one is)
+        assert time.monotonic() - began < 2.0
         server.shutdown()
 
 

@@ -167,6 +167,7 @@ class EtcdClient:
         last: list[Exception] = []
 
         def ask_each() -> str:
+            slow = False
             for index, ep in enumerate(self._settings.endpoints):
                 try:
                     resp = self._session().get(f"{self._settings.scheme}://{ep}/version",
@@ -175,8 +176,12 @@ class EtcdClient:
                 except requests.exceptions.SSLError as exc:
                     raise StoreAuthError(f"TLS handshake with etcd at {ep} failed ({exc}); "
                                          "check --rdzv-conf cacert / cert / key") from exc
-                except (requests.exceptions.RequestException, ValueError, KeyError) as exc:
+                except (ValueError, KeyError) as exc:  # it answered, and not as etcd
+                    last.append(exc)  # (requests' JSONDecodeError is a ValueError too)
+                    continue
+                except requests.exceptions.RequestException as exc:  # slow, or not up
                     last.append(exc)
+                    slow = True
                     continue
                 parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
                 if parts < MIN_SERVER_VERSION:
@@ -184,7 +189,11 @@ class EtcdClient:
                                       "v3 API of etcd >= 3.4 (its HTTP gateway)")
                 self._current = index
                 return version
-            raise _Transient(str(last[-1]))
+            if slow:
+                raise _Transient(str(last[-1]))
+            raise StoreUnavailableError(
+                f"no etcd answered at {self._settings.describe_endpoints()} ({last[-1]}); "
+                "check --rdzv-endpoint and that etcd is running")
 
         retrying = Retrying(stop=stop_after_delay(self._settings.timeouts.connect),
                             wait=wait_exponential(multiplier=0.1, max=1.0),
