@@ -62,7 +62,10 @@ def test_scale_benchmark_fills_its_table_for_the_embedded_store_and_stock_c10d()
         assert row["requests"] == row["requests/s"] == row["change"] == "n/a", row
         assert re.fullmatch(NUMBER, row["CPU"]), row
         per_agent = re.fullmatch(rf"({NUMBER}), ({NUMBER})", row["CPU per agent"])
-        assert per_agent and float(per_agent[1]) > 0 and float(per_agent[3]) > 0, row
+        # round 1 builds every handler: always CPU; a round change of 3 survivors can cost
+        # less than one of the 10 ms ticks the kernel counts CPU in (0.0 on the embedded
+        # store since its closer waits on the store instead of asking it 40 times a second)
+        assert per_agent and float(per_agent[1]) > 0 and float(per_agent[3]) >= 0, row
     assert "4 processes, one per agent, forked from one that imported torch" in out
     assert "RES_OPTIONS unset" in out
 

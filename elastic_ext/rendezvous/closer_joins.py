@@ -4,8 +4,9 @@ for the next one.
 The closer decides on the round with every join merged in, again at each join and as time
 passes (the last call, a death judged). Reading every key at each join would be O(N²)
 bytes for it at N joins one by one, so the keys are read again only when there are more
-of them and they can make MIN nodes; on etcd both the count and the keys come from a
-watch of the round's joins (``StoreBackend.wait_for_joins``), not from requests.
+of them and they can make MIN nodes, and below MIN it waits for the joins that make it.
+It waits on the store (``StoreBackend.wait_for_joins``): on etcd a watch of the round's
+joins, which also answers its reads of them; on the embedded store a ``TCPStore.wait``.
 """
 
 from __future__ import annotations
