@@ -198,16 +198,22 @@ def test_below_the_minimum_the_node_times_out_with_a_message_naming_the_fix(make
 
 
 # -- store outages -----------------------------------------------------------------------
+def outage(lab: Lab, seconds: float) -> float:
+    """Take the store down for ``seconds`` of the lab's time; when it comes back."""
+    lab.store.down = True
+    ends = lab.clock.now + seconds
+
+    def come_back() -> None:
+        if lab.clock.now >= ends:
+            lab.store.down = False
+    lab.clock.on_sleep.append(come_back)
+    return ends
+
+
 def test_an_etcd_outage_during_a_rendezvous_is_waited_out(make_lab) -> None:
     lab = make_lab()
     lab.handler.next_rendezvous()
-    lab.store.down = True
-    outage_ends = lab.clock.now + 4.0
-
-    def come_back() -> None:
-        if lab.clock.now >= outage_ends:
-            lab.store.down = False
-    lab.clock.on_sleep.append(come_back)
+    outage_ends = outage(lab, 4.0)
     info = lab.handler.next_rendezvous()  # a restart while the store is down
     assert info.world_size == 1 and lab.state().round == 2
     assert lab.clock.now >= outage_ends
@@ -227,13 +233,7 @@ def test_a_store_slow_at_the_first_heartbeat_is_waited_for_until_the_join_timeou
     """1,024 agents starting at once: etcd answered an agent's version check, then not its
     first heartbeat within connect_timeout, and the agent failed to start."""
     lab = make_lab(join_timeout="30")
-    lab.store.down = True
-    back_at = lab.clock.now + 20.0
-
-    def come_back() -> None:
-        if lab.clock.now >= back_at:
-            lab.store.down = False
-    lab.clock.on_sleep.append(come_back)
+    back_at = outage(lab, 20.0)
     assert lab.handler.next_rendezvous().world_size == 1
     assert lab.clock.now >= back_at
     late = make_lab(join_timeout="5")
