@@ -33,7 +33,14 @@ from elastic_ext.rendezvous.etcd_client import EtcdClient
 from elastic_ext.rendezvous.etcd_lease import EXPIRY_CHECK_S, AgentLease, lease_ttl
 from elastic_ext.rendezvous.etcd_store import EtcdV3Store
 from elastic_ext.rendezvous.etcd_watch import SharedFeeds
-from elastic_ext.rendezvous.etcd_wire import batches, op_delete, op_put, op_range, range_reply
+from elastic_ext.rendezvous.etcd_wire import (
+    KeyValue,
+    batches,
+    op_delete,
+    op_put,
+    op_range,
+    range_reply,
+)
 from elastic_ext.rendezvous.liveness import LEFT
 from elastic_ext.rendezvous.settings import Settings
 
@@ -156,11 +163,17 @@ class EtcdBackend(StoreBackend):
     def count_joins(self, generation: str, round_: int) -> int:
         """From the watch of the round's joins while this agent keeps one (the closer)."""
         prefix = self._join_prefix(generation, round_)
-        watched = self._feeds.joins_now(prefix)
+        watched = self._watched_joins(prefix)
         if watched is not None:
             return len(watched)
         replies = self._client.txn([op_range(prefix, prefix=True, count_only=True)])
         return range_reply(replies[0])[1]
+
+    def _watched_joins(self, prefix: str) -> dict[bytes, KeyValue] | None:
+        """The round's join keys from this agent's watch of them; None without a current
+        one."""
+        feed = self._feeds.joins_of(prefix)
+        return feed.keys_now() if feed is not None else None
 
     def wait_for_joins(self, generation: str, round_: int, at_least: int, timeout: float,
                        clock: Clock) -> bool:
@@ -172,7 +185,7 @@ class EtcdBackend(StoreBackend):
 
     def read_joins(self, generation: str, round_: int) -> list[tuple[str, bytes]]:
         prefix = self._join_prefix(generation, round_)
-        watched = self._feeds.joins_now(prefix)
+        watched = self._watched_joins(prefix)
         kvs = sorted(self._client.get_prefix(prefix) if watched is None else watched.values(),
                      key=lambda kv: kv.create_revision)
         return [(kv.key.decode()[len(prefix):], kv.value) for kv in kvs]
@@ -182,10 +195,11 @@ class EtcdBackend(StoreBackend):
         dropped = sorted(nodes)
         for batch in batches(dropped):  # a thousand dead at once need several
             self._client.txn([op_delete(prefix + node) for node in batch])
-        if self._feeds.joins_now(prefix) is not None:  # reads after this one lack them
+        feed = self._feeds.joins_of(prefix)
+        if feed is not None:  # reads from it after this one lack them
             gone = [(prefix + node).encode() for node in dropped]
-            self._feeds.joins_feed(self._client, prefix).wait_until(
-                lambda keys: not any(key in keys for key in gone), self.FEED_CATCH_UP_S)
+            feed.wait_until(lambda keys: not any(key in keys for key in gone),
+                            self.FEED_CATCH_UP_S)
 
     @property
     def heartbeats_expire(self) -> bool:

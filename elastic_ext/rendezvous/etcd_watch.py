@@ -146,11 +146,10 @@ class SharedFeeds:
             self.joins = _replaced(self.joins, client, prefix, True)
             return self.joins
 
-    def joins_now(self, prefix: str) -> dict[bytes, KeyValue] | None:
-        """The keys under ``prefix`` as a watch of them has them; None without one."""
+    def joins_of(self, prefix: str) -> WatchedKeys | None:
+        """The watch of the keys under ``prefix``, if this agent keeps one (never opens it)."""
         with self.lock:
-            feed = self.joins
-        return feed.keys_now() if feed is not None and feed.key == prefix else None
+            return self.joins if self.joins is not None and self.joins.key == prefix else None
 
     def close(self) -> None:
         with self.lock:

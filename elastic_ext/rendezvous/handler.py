@@ -26,11 +26,16 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from elastic_ext.control import AgentControl
-from elastic_ext.rendezvous.backend import STATE_POLL_S, StoreBackend
+from elastic_ext.rendezvous.backend import StoreBackend
 from elastic_ext.rendezvous.clock import SYSTEM_CLOCK, Clock
 from elastic_ext.rendezvous.errors import StoreUnavailableError
 from elastic_ext.rendezvous.events import EventKind, EventLog
-from elastic_ext.rendezvous.join_session import JoinSession, Memory, NodeContext
+from elastic_ext.rendezvous.join_session import (
+    JoinSession,
+    Memory,
+    NodeContext,
+    wait_out_outage,
+)
 from elastic_ext.rendezvous.keeper import Keeper
 from elastic_ext.rendezvous.lifecycle import Lifecycle, read_state
 from elastic_ext.rendezvous.policy import Limits
@@ -233,12 +238,7 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
                 self._backend.beat(self._node, self.keeper.presence_port)
                 break
             except StoreUnavailableError as exc:
-                if not self._backend.outages_are_transient or \
-                        self._clock.monotonic() > deadline:
-                    raise
-                logger.warning("etcd-ext: no answer to this agent's first heartbeat; still "
-                               "trying until the join timeout: %s", exc)
-                self._clock.sleep(STATE_POLL_S)
+                wait_out_outage(self._backend, self._clock, exc, deadline)
         self.keeper.tick()
         if self._keeper_thread:
             self.keeper.start()

@@ -60,6 +60,17 @@ deleted between its ``check`` and its ``multi_get`` made that read wait out
 ``connect_timeout`` and fail (seen at 1,024 agents on two cores, issue 27)."""
 
 
+def wait_out_outage(backend: StoreBackend, clock: Clock, exc: StoreUnavailableError,
+                    deadline: float) -> None:
+    """Inside a rendezvous (and at an agent's first heartbeat) an outage is waited out until
+    the join deadline when the store can come back (etcd); the embedded store dies with its
+    host, so losing it ends the rendezvous at once: ``exc`` is raised again."""
+    if not backend.outages_are_transient or clock.monotonic() > deadline:
+        raise exc
+    logger.warning("etcd-ext: store unreachable, still trying until the join timeout: %s", exc)
+    clock.sleep(_POLL)
+
+
 @dataclass
 class Memory:
     """What one node carries from one ``next_rendezvous`` call to the next."""
@@ -183,7 +194,7 @@ class JoinSession:
                         known = self._write(decision.state, token)
                     continue
             except StoreUnavailableError as exc:
-                self._wait_out_outage(exc, deadline)
+                wait_out_outage(self._backend, self._clock, exc, deadline)
                 continue
             if isinstance(decision, Joined):
                 return self._joined(decision.state)
@@ -218,16 +229,6 @@ class JoinSession:
         if change is False and self._clock.monotonic() - self._read_at < _WAKE_S:
             return state, token
         return self._as_known(change)
-
-    def _wait_out_outage(self, exc: StoreUnavailableError, deadline: float) -> None:
-        """Inside a rendezvous an outage is waited out until the join deadline when the
-        store can come back (etcd); the embedded store dies with its host, so losing it
-        ends the rendezvous at once."""
-        if not self._backend.outages_are_transient or self._clock.monotonic() > deadline:
-            raise exc
-        logger.warning("etcd-ext: store unreachable, still trying until the join timeout: %s",
-                       exc)
-        self._clock.sleep(_POLL)
 
     @staticmethod
     def _joins_matter(state: RunState | None) -> bool:
