@@ -12,6 +12,7 @@ import pytest
 
 from elastic_ext.local.processes import ProcessSet
 from tests.support import machine_share
+from tests.support.handler_lab import make_lab  # noqa: F401 - a fixture of the in-process tests
 
 REAL_PART_MARKERS = ("slow", "etcd", "slurm", "netns", "chaos_full")
 """A test with none of these is in the fast lane (``tests/run.sh --fast``); if it starts

@@ -7,11 +7,10 @@ unknown tokens, and corrupt state; then heartbeats, round stores and run listing
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -26,6 +25,7 @@ from elastic_ext.rendezvous.backend import STATE_KEY, StoreBackend
 from elastic_ext.rendezvous.c10d_backend import C10dBackend
 from elastic_ext.rendezvous.clock import SystemClock
 from elastic_ext.rendezvous.etcd_backend import EtcdBackend
+from elastic_ext.rendezvous.head import Head, Seat
 from elastic_ext.rendezvous.liveness import LEFT
 from elastic_ext.rendezvous.settings import Settings
 from elastic_ext.rendezvous.state import NodeInfo, Phase, RunState
@@ -406,47 +406,101 @@ def test_the_state_after_a_version_is_that_version_or_a_newer_one(make_backend) 
     keeper.close()
 
 
+def closed_round(nodes: int, round_: int = 1) -> RunState:
+    """A closed round of ``nodes`` nodes, as a closer writes it."""
+    members = {f"node-{i:04}.cluster.example:{i}": NodeInfo(f"10.1.{i // 250}.{i % 250}",
+                                                            29500 + i % 1000, 40000 + i)
+               for i in range(nodes)}
+    return RunState(generation="g1", round=round_, phase=Phase.CLOSED, members=members,
+                    order=tuple(members), note="closed")
+
+
+def test_the_head_moves_with_the_state_and_a_closed_round_has_a_seat_for_each_node(
+        make_backend) -> None:
+    writer, reader = make_backend(), make_backend()
+    opened = RunState(generation="g1", round=1, phase=Phase.OPEN,
+                      members={"a": NodeInfo("10.0.0.1", 1, 2)}, waiting={"w": NodeInfo("h", 3)})
+    _, token, _ = set_state(writer, opened.to_bytes())
+    head = reader.head_after(reader.state_version())
+    assert head is not None and head[1] == token and Head.from_bytes(head[0]) == Head.of(opened)
+    assert reader.read_seat("g1", 1, "a") is None  # open: no seats
+    closed = closed_round(3)
+    _, token, _ = set_state(writer, closed.to_bytes(), token)
+    head = reader.head_after(reader.state_version())
+    assert head is not None and head[1] == token and Head.from_bytes(head[0]) == Head.of(closed)
+    for rank, node in enumerate(closed.order):
+        seat = Seat.from_bytes(reader.read_seat("g1", 1, node))
+        assert seat is not None and seat.fits(Head.of(closed)) and seat.rank == rank
+        assert (seat.world_size, seat.master_addr, seat.master_port) == (3, "10.1.0.0", 29500)
+    assert reader.read_seat("g1", 1, "stranger") is None
+    assert reader.read_seat("g1", 2, closed.order[0]) is None
+
+
+def test_a_close_that_lost_leaves_no_seat_that_fits_the_round_that_won(make_backend) -> None:
+    """The closer writes the seats before its closing compare-and-swap: if that loses, and
+    the round closes later with other nodes, the seats left of the first try do not fit."""
+    a, b = make_backend(), make_backend()
+    opened = RunState(generation="g1", round=1, phase=Phase.OPEN,
+                      members={"a": NodeInfo("h", 1)})
+    _, token, _ = set_state(a, opened.to_bytes())
+    _, newer, _ = set_state(b, replace(opened, note="a notice").to_bytes(), token)
+    three = closed_round(3)
+    assert not set_state(a, three.to_bytes(), token)[2]  # lost: its seats stay behind
+    two = replace(three, members=dict(list(three.members.items())[:2]), order=three.order[:2])
+    assert set_state(b, two.to_bytes(), newer)[2]
+    head = Head.from_bytes(b.head_after(None)[0])
+    left_behind = Seat.from_bytes(a.read_seat("g1", 1, three.order[2]))
+    assert left_behind is None or not left_behind.fits(head)
+    seats = [Seat.from_bytes(a.read_seat("g1", 1, n)) for n in two.order]
+    assert all(seat is not None and seat.fits(head) for seat in seats)
+
+
 @pytest.mark.etcd
-def test_a_keepers_state_reads_come_from_the_handlers_watch_on_etcd(etcd, monkeypatch) -> None:
-    """At 1,024 agents each version of the state (28 KB) read again by every keeper was
-    a second copy of every round change (issue 27): the keeper's clone shares the watch."""
+def test_a_keepers_head_reads_come_from_the_handlers_watch_on_etcd(etcd, monkeypatch) -> None:
+    """At 1,024 agents each version of the state read again by every keeper was a second
+    copy of every round change (issue 27): the keeper's clone shares the head's watch, and
+    reads nothing of the state."""
     endpoint = etcd.members[0].endpoint
     writer = EtcdBackend(settings_for(endpoint))
     handler_side = EtcdBackend(settings_for(endpoint))
     keeper = handler_side.clone()
     reads: list[str] = []
     monkeypatch.setattr(keeper, "read_whole_state", lambda: reads.append("read_whole_state"))
-    _, token, _ = set_state(writer, b"v1")
+    _, token, _ = set_state(writer, closed_round(2).to_bytes())
     assert handler_side.wait_for_state(None, 5.0, SystemClock())  # the handler's watch runs
-    for value in (b"v2", b"v3"):
-        _, token, _ = set_state(writer, value, token)
-        state = keeper.state_after(keeper.state_version())
-        assert state is not None and state[0] == value
+    for round_ in (2, 3):
+        state = closed_round(2, round_)
+        _, token, _ = set_state(writer, state.to_bytes(), token)
+        head = keeper.head_after(keeper.state_version())
+        assert head is not None and Head.from_bytes(head[0]) == Head.of(state)
     assert reads == []
     handler_side.close()
 
 
 @pytest.mark.etcd
-def test_a_watched_state_is_read_in_a_few_bytes_on_etcd(etcd) -> None:
-    """At a round change every agent reads the state (29 KB at 1,024 nodes, issue 27): an
-    agent that watches it reads its version and takes the value from the watch."""
+def test_a_round_change_reaches_a_node_in_a_few_bytes_however_large_the_round_on_etcd(
+        etcd) -> None:
+    """At a round change every agent read the whole state (29 KB at 1,024 nodes: O(N²) for
+    the job, issue 27); now its head by the watch, and its seat: a few hundred bytes."""
     endpoint, url = etcd.members[0].endpoint, etcd.members[0].client_url
     writer, reader = EtcdBackend(settings_for(endpoint)), EtcdBackend(settings_for(endpoint))
-    big = os.urandom(60_000)  # does not compress
-    _, token, _ = set_state(writer, big)
+    first, second = closed_round(1024, 1), closed_round(1024, 2)
+    _, token, _ = set_state(writer, first.to_bytes())
+    assert reader.wait_for_state(None, 5.0, SystemClock())  # the watch runs
     before = sent_bytes(url)
-    assert state_of(reader) == big
-    unwatched = sent_bytes(url) - before
-    assert reader.wait_for_state(None, 5.0, SystemClock())  # now it watches the state
-    _, token, _ = set_state(writer, big[::-1], token)
-    wait_until(lambda: reader.wait_for_state(token - 1, 0.1, SystemClock()), 5.0, 0.01,
-               "the watch to deliver the write")
+    assert state_of(reader) == first.to_bytes()
+    whole = sent_bytes(url) - before
+    _, token, _ = set_state(writer, second.to_bytes(), token)  # the seats, then the state
     before = sent_bytes(url)
-    current = reader.get_state()
-    watched = sent_bytes(url) - before
-    assert current == (big[::-1], token)
-    assert unwatched > 60_000 and watched < 2_000, (unwatched, watched)
-    assert set_state(reader, b"next", token)[2]  # the token from the watch compares
+    assert reader.wait_for_state(token - 1, 5.0, SystemClock())
+    current = reader.head_after(reader.state_version())
+    assert current is not None
+    head = Head.from_bytes(current[0])
+    seat = Seat.from_bytes(reader.read_seat("g1", 2, second.order[700]))
+    moved = sent_bytes(url) - before
+    assert seat is not None and seat.fits(head) and seat.rank == 700
+    assert head == Head.of(second) and head.size == 1024
+    assert whole > 20_000 and moved < 2_000, (whole, moved)
     reader.close()
 
 

@@ -7,9 +7,10 @@ tests (``tests/test_backend_contract.py``) run on every store, the in-memory tes
 included. State values carry a magic prefix so garbage in the key is reported, not parsed.
 
 Key layout of a run, relative to ``Settings.run_prefix`` (``<key_prefix>/<run_id>/``):
-``state`` (the JSON state), ``hb/<node>`` (heartbeats), ``join/<generation>/<round>/``
-(the open round's join keys, ``joins.py``), ``verdict`` (the watching node's judgement
-of the others, ``keeper.py``) and the rounds' c10d stores.
+``state`` (the JSON state), ``head`` and ``seat/<generation>/<round>/<node>`` (what most
+agents read of it, ``head.py``, where the store keeps them), ``hb/<node>`` (heartbeats),
+``join/<generation>/<round>/`` (the open round's join keys, ``joins.py``), ``verdict``
+(the watching node's judgement of the others, ``keeper.py``) and the rounds' c10d stores.
 """
 
 from __future__ import annotations
@@ -25,15 +26,33 @@ from torch.distributed import Store
 
 from elastic_ext.rendezvous.clock import Clock
 from elastic_ext.rendezvous.errors import CorruptStateError
+from elastic_ext.rendezvous.head import Head, head_bytes_of, seat_of, seats_of
+from elastic_ext.rendezvous.state import RunState, Status
 
 Token = Any
 """Opaque to the caller: what ``get_state`` returned, handed back to ``set_state``."""
 
 STATE_KEY = "state"
+HEAD_KEY = "head"  # written with the state where the store keeps heads (``head.py``)
+SEAT_DIR = "seat/"  # seat/<generation>/<round>/<node>: the closed round's seats
 STATE_MAGIC = b"elastic-ext/1\n"
 STATE_MAGIC_ZLIB = b"elastic-ext/1z\n"  # the same, compressed: at 1,024 nodes 28 KB, not 65
 _COMPRESS_FROM = 4096
 _MAX_UNWRAPPED = 1 << 20  # state.MAX_STATE_BYTES: more is refused before it is parsed
+
+
+def head_and_seats(state: bytes) -> tuple[bytes | None, dict[str, bytes]]:
+    """What a store that keeps heads writes with ``state``: its head, and the seats of a
+    closed round that runs (key: ``<generation>/<round>/<node>``, under ``SEAT_DIR``);
+    (None, {}) for bytes that are no state (the head is then stored empty, so that it
+    still moves with the state: readers derive it, and fail as on the state)."""
+    try:
+        parsed = RunState.from_bytes(state)
+    except CorruptStateError:
+        return None, {}
+    seats = seats_of(parsed) if parsed.status is Status.ACTIVE else {}
+    return Head.of(parsed).to_bytes(), {
+        f"{seat.generation}/{seat.round}/{node}": seat.to_bytes() for node, seat in seats.items()}
 
 
 def wrap_state(state: bytes) -> bytes:
@@ -209,6 +228,56 @@ class StoreBackend(ABC):
         newer, and its token; None when there is none. Stores that keep a watch of the
         state (etcd) answer from it, with no request; this default reads it."""
         return self.get_state()
+
+    @property
+    def keeps_heads(self) -> bool:
+        """Whether the store keeps the state's head and the closed rounds' seats as keys of
+        their own, written with the state (etcd): an agent then follows a round change in a
+        few bytes (``head.py``) and the rendezvous decides on them where it can. Otherwise
+        ``head_after`` and ``read_seat`` derive both from the whole state."""
+        return False
+
+    def head_after(self, version: object | None) -> tuple[bytes, Token] | None:
+        """The state's head (``head.Head``) as of ``version`` (what ``state_version`` or
+        ``keeper_read`` gave; None: the newest) or newer, with the state's token; None when
+        the run has no state. Stores that keep heads answer from their watch of it; this
+        default derives it from ``state_after``.
+
+        Raises:
+            CorruptStateError: the state key holds something etcd-ext did not write.
+        """
+        current = self.state_after(version)
+        return None if current is None else (head_bytes_of(current[0]), current[1])
+
+    def read_seat(self, generation: str, round_: int, node: str) -> bytes | None:
+        """``node``'s seat (``head.Seat``) in the closed round, as its closer wrote it before
+        the closing write; None if it has none. Trust it only under a head with its seal
+        (a close that lost its compare-and-swap may leave seats). This default derives it
+        from the state.
+
+        Raises:
+            CorruptStateError: the state key holds something etcd-ext did not write.
+        """
+        current = self.get_state()
+        seat = None if current is None else seat_of(RunState.from_bytes(current[0]), node)
+        return seat.to_bytes() if seat is not None and \
+            (seat.generation, seat.round) == (generation, round_) else None
+
+    def read_seats(self, generation: str, round_: int) -> list[tuple[str, bytes]]:
+        """Every seat of the closed round as (node, seat), in no order: the round's nodes
+        and where they are, for a node that knows its round only by its own seat and must
+        probe the others (O(N) bytes: only after a round that failed or made no progress).
+        Stores that keep seats read them all, including any a lost close left (compare
+        the seal); this default derives them from the state, while it is that round's.
+
+        Raises:
+            CorruptStateError: the state key holds something etcd-ext did not write.
+        """
+        current = self.get_state()
+        state = None if current is None else RunState.from_bytes(current[0])
+        if state is None or (state.generation, state.round) != (generation, round_):
+            return []
+        return [(node, seat.to_bytes()) for node, seat in seats_of(state).items()]
 
     @abstractmethod
     def join(self, generation: str, round_: int, node: str, entry: bytes) -> int:

@@ -1,13 +1,16 @@
 """The run's state on etcd through the v3 API.
 
 Layout under ``<key_prefix>/<run_id>/``: ``state`` (the JSON state, written by
-compare-and-swap on ``mod_revision``, create-if-absent the first time), ``hb/<node>``
+compare-and-swap on ``mod_revision``, create-if-absent the first time), ``head`` (what
+most agents read of it, in the same transaction: ``head.py``), ``seat/<generation>/
+<round>/<node>`` (each node's place in a closed round, written before it closes), ``hb/<node>``
 (heartbeats, on each agent's lease so they expire: ``etcd_lease``), ``join/<generation>/
 <round>/<node>`` (join keys, ordered by their create revision), ``verdict`` and
 ``store/<generation>/<round>/`` (the round's c10d store for torch's agent). Waiting for
-the state is a watch (``etcd_watch``). A keeper's tick is one transaction, or with
-``heartbeat=lease`` no request at all: the lease renews itself and the heartbeats come by
-a watch.
+the state is a watch of its head (``etcd_watch``): the head changes with the state, in a
+few hundred bytes where the state is 29 KB at 1,024 nodes. A keeper's tick is one
+transaction, or with ``heartbeat=lease`` no request at all: the lease renews itself and
+the heartbeats come by a watch.
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ from typing import Any, TypeVar
 from torch.distributed import Store
 
 from elastic_ext.rendezvous.backend import (
+    HEAD_KEY,
+    SEAT_DIR,
     STATE_KEY,
     KeeperRead,
     StoreBackend,
     Token,
+    head_and_seats,
     unwrap_state,
     wrap_state,
 )
@@ -32,7 +38,7 @@ from elastic_ext.rendezvous.errors import StoreUnavailableError
 from elastic_ext.rendezvous.etcd_client import EtcdClient
 from elastic_ext.rendezvous.etcd_lease import EXPIRY_CHECK_S, AgentLease, lease_ttl
 from elastic_ext.rendezvous.etcd_store import EtcdV3Store
-from elastic_ext.rendezvous.etcd_watch import SharedFeeds
+from elastic_ext.rendezvous.etcd_watch import SharedFeeds, WatchedKeys
 from elastic_ext.rendezvous.etcd_wire import (
     KeyValue,
     batches,
@@ -62,6 +68,7 @@ class EtcdBackend(StoreBackend):
         self._client = client or EtcdClient(settings)
         self._prefix = settings.run_prefix
         self._state_key = self._prefix + STATE_KEY
+        self._head_key = self._prefix + HEAD_KEY
         self._hb_prefix = self._prefix + "hb/"
         self._leased = settings.heartbeat == "lease"
         self._lease = lease or AgentLease(
@@ -71,6 +78,8 @@ class EtcdBackend(StoreBackend):
         self._feeds = feeds or SharedFeeds()  # started when first read; clones share them
         self._owns_feeds = feeds is None
         self._verdict: tuple[dict[str, bytes | None], bytes | None] | None = None
+        self._whole: tuple[bytes, int] | None = None  # the state this backend read last
+        self._seated = b""  # the first seat of the last round whose seats it wrote
 
     @property
     def name(self) -> str:
@@ -95,61 +104,103 @@ class EtcdBackend(StoreBackend):
                            "is found after up to %g s", settings.timeouts.heartbeat, slowest)
         return backend
 
+    @property
+    def keeps_heads(self) -> bool:
+        return True
+
+    def _head_feed(self) -> WatchedKeys:
+        return self._feeds.head_feed(self._client, self._head_key)
+
     def get_state(self) -> tuple[bytes, Token] | None:
-        """While this agent watches the state (its handler does from its first wait), its
-        version, then the value from the watch: a few bytes read, where the state itself is
-        29 KB at 1,024 nodes and every agent reads it at every round change."""
-        if self._feeds.state is None:
-            return self.read_whole_state()
-        version = self.state_version()
-        return None if version is None else self.state_after(version)
+        """The state's version first (a keys-only read): the state itself (29 KB at 1,024
+        nodes) only when it changed since this backend last read it."""
+        if self._whole is not None and self.state_version() == self._whole[1]:
+            return self._whole
+        return self.read_whole_state()
 
     def read_whole_state(self) -> tuple[bytes, Token] | None:
         """``get_state`` by reading the value itself."""
         kv = self._client.get(self._state_key)
         if kv is None:
             return None
-        return unwrap_state(kv.value), kv.mod_revision
+        self._whole = (unwrap_state(kv.value), kv.mod_revision)
+        return self._whole
 
     def set_state(self, state: bytes, token: Token | None = None
                   ) -> tuple[bytes, Token, bool] | None:
+        """The head in the same transaction; a closed round's seats before it."""
         if token is not None and (not isinstance(token, int) or isinstance(token, bool)):
             current = self.get_state()
             return None if current is None else (*current, False)
-        ok, kv = self._client.compare_and_swap(self._state_key, wrap_state(state), token or None)
+        head, seats = head_and_seats(state)
+        self._write_seats(seats)
+        ok, kv = self._client.compare_and_swap(self._state_key, wrap_state(state), token or None,
+                                               also=[op_put(self._head_key, head or b"")])
         if ok and kv is not None:
+            self._whole = (state, kv.mod_revision)
             return state, kv.mod_revision, True
         if kv is None:  # deleted between our compare and our read
             return None
-        return unwrap_state(kv.value), kv.mod_revision, False
+        self._whole = (unwrap_state(kv.value), kv.mod_revision)
+        return (*self._whole, False)
+
+    def _write_seats(self, seats: dict[str, bytes]) -> None:
+        """A closed round's seats, 128 to a transaction, unless they are there already (a
+        later write of the same round: its progress, a notice)."""
+        if not seats:
+            return
+        first_key, first = next(iter(seats.items()))
+        if first == self._seated:
+            return
+        kv = self._client.get(self._prefix + SEAT_DIR + first_key)
+        if kv is None or kv.value != first:
+            for batch in batches(list(seats.items())):
+                self._client.txn([op_put(self._prefix + SEAT_DIR + name, seat)
+                                  for name, seat in batch])
+        self._seated = first
 
     def state_version(self) -> object | None:
         return self._client.revision_of(self._state_key)
 
     def wait_for_state(self, token: Token | None, timeout: float, clock: Clock
                        ) -> bool | tuple[bytes, Token]:
-        """Answered from this backend's watch of the state (``WatchedKeys``): no request."""
+        """Answered from this backend's watch of the head (``WatchedKeys``), which moves
+        with the state: no request, and never the state itself."""
         after = token if isinstance(token, int) and not isinstance(token, bool) else None
-        change = self._feeds.state_feed(self._client, self._state_key).wait_past(after, timeout)
+        change = self._head_feed().wait_past(after, timeout)
         if change is None:
             return False
-        revision, kv = change
-        if kv is None:
-            return after is not None  # deleted (or still absent: nothing new)
-        return unwrap_state(kv.value), revision
+        return change[1] is not None or after is not None
 
     def on_state_change(self, callback: Callable[[], None]) -> None:
-        self._feeds.state_feed(self._client, self._state_key).add_listener(callback)
+        self._head_feed().add_listener(callback)
 
     def state_after(self, version: object | None) -> tuple[bytes, Token] | None:
-        """From the watch of the state the handler keeps (the keeper's clone shares it):
-        each version of the state reaches an agent once, not once more for its keeper."""
-        if isinstance(version, int) and not isinstance(version, bool):
-            feed = self._feeds.state_feed(self._client, self._state_key)
-            change = feed.wait_past(version - 1, self.FEED_CATCH_UP_S)
-            if change is not None and change[1] is not None:
-                return unwrap_state(change[1].value), change[0]
+        """The state this backend read last if it is that version, else read anew."""
+        if self._whole is not None and version == self._whole[1]:
+            return self._whole
         return self.read_whole_state()
+
+    def head_after(self, version: object | None) -> tuple[bytes, Token] | None:
+        """From the watch of the head the handler keeps (the keeper's clone shares it):
+        each head reaches an agent once. Derived from the state only when there is no head
+        (bytes that are no state were stored: the head is empty) or the watch lags."""
+        if isinstance(version, int) and not isinstance(version, bool):
+            change = self._head_feed().wait_past(version - 1, self.FEED_CATCH_UP_S)
+        else:
+            change = self._head_feed().wait_past(None, self._settings.timeouts.connect)
+        if change is not None and change[1] is not None and change[1].value:
+            return change[1].value, change[0]
+        return super().head_after(version)
+
+    def read_seat(self, generation: str, round_: int, node: str) -> bytes | None:
+        kv = self._client.get(f"{self._prefix}{SEAT_DIR}{generation}/{round_}/{node}")
+        return None if kv is None else kv.value
+
+    def read_seats(self, generation: str, round_: int) -> list[tuple[str, bytes]]:
+        prefix = f"{self._prefix}{SEAT_DIR}{generation}/{round_}/"
+        return [(kv.key.decode()[len(prefix):], kv.value)
+                for kv in self._client.get_prefix(prefix)]
 
     def _join_prefix(self, generation: str, round_: int) -> str:
         return f"{self._prefix}join/{generation}/{round_}/"
@@ -263,7 +314,7 @@ class EtcdBackend(StoreBackend):
             keys = feed.current(timeout)
             beats = {n: kv.value if (kv := keys.get((self._hb_prefix + n).encode())) else None
                      for n in watched}
-        state = self._feeds.state_feed(self._client, self._state_key).wait_past(None, timeout)
+        state = self._head_feed().wait_past(None, timeout)
         if state is None:
             raise StoreUnavailableError(f"no read of the run's state within {timeout:g}s")
         if self._verdict is None or self._verdict[0] != beats:
@@ -315,8 +366,8 @@ class EtcdBackend(StoreBackend):
                            timeout=timedelta(seconds=max(60.0, self._settings.timeouts.join)))
 
     def drop_round_stores(self, generation: str, keep_from_round: int) -> None:
-        """Also the join keys of those rounds."""
-        for kind in ("store/", "join/"):
+        """Also the join keys and seats of those rounds."""
+        for kind in ("store/", "join/", SEAT_DIR):
             prefix = f"{self._prefix}{kind}"
             stale: set[tuple[str, str]] = set()
             for kv in self._client.get_prefix(prefix):

@@ -226,8 +226,10 @@ class EtcdClient:
         self.call("/kv/deleterange", {"key": b64(key)})
 
     def compare_and_swap(self, key: str, value: bytes, mod_revision: int | None,
-                         lease: int | None = None) -> tuple[bool, KeyValue | None]:
-        """Write ``value`` iff the key is at ``mod_revision`` (None: iff it does not exist).
+                         lease: int | None = None, also: Sequence[dict[str, Any]] = ()
+                         ) -> tuple[bool, KeyValue | None]:
+        """Write ``value`` iff the key is at ``mod_revision`` (None: iff it does not exist),
+        and with it the operations ``also`` (``etcd_wire.op_put``, ``op_delete``).
 
         One transaction; returns (succeeded, the key as it is now).
         """
@@ -240,7 +242,7 @@ class EtcdClient:
         put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
         if lease:
             put["lease"] = str(lease)
-        txn = {"compare": [compare], "success": [{"request_put": put}],
+        txn = {"compare": [compare], "success": [{"request_put": put}, *also],
                "failure": [{"request_range": {"key": b64(key)}}]}
         reply = self.call("/kv/txn", txn)
         if reply.get("succeeded"):

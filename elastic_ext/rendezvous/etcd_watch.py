@@ -1,8 +1,8 @@
 """The run's keys as etcd's watches deliver them: reading them costs no request.
 
 One stream per watch, through the gateway (``EtcdClient.watch``); each agent holds two, the
-run's state and the heartbeat keys its keeper watches, and the closer of an open round a
-third, of the round's join keys (``etcd_backend``).
+run's head (which moves with its state) and the heartbeat keys its keeper watches, and the
+closer of an open round a third, of the round's join keys (``etcd_backend``).
 """
 
 from __future__ import annotations
@@ -120,18 +120,18 @@ class WatchedKeys:
 @dataclass
 class SharedFeeds:
     """The watches of a backend and its clones (the keeper's), one of each per agent: the
-    run's state, and the heartbeat keys the keeper watches."""
+    run's head, and the heartbeat keys the keeper watches."""
 
-    state: WatchedKeys | None = None
+    head: WatchedKeys | None = None  # the state's head (``head.py``), which moves with it
     beats: WatchedKeys | None = None
     joins: WatchedKeys | None = None  # the join keys of the open round this agent closes
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def state_feed(self, client: EtcdClient, key: str) -> WatchedKeys:
+    def head_feed(self, client: EtcdClient, key: str) -> WatchedKeys:
         with self.lock:
-            if self.state is None:
-                self.state = WatchedKeys(client, key)
-            return self.state
+            if self.head is None:
+                self.head = WatchedKeys(client, key)
+            return self.head
 
     def beats_feed(self, client: EtcdClient, key: str, prefix: bool) -> WatchedKeys:
         """The watch of ``key`` (or every key under it), replacing a watch of other keys."""
@@ -153,10 +153,10 @@ class SharedFeeds:
 
     def close(self) -> None:
         with self.lock:
-            for feed in (self.state, self.beats, self.joins):
+            for feed in (self.head, self.beats, self.joins):
                 if feed is not None:
                     feed.close()
-            self.state = self.beats = self.joins = None
+            self.head = self.beats = self.joins = None
 
 
 def _replaced(feed: WatchedKeys | None, client: EtcdClient, key: str, prefix: bool

@@ -30,17 +30,13 @@ from elastic_ext.rendezvous.backend import StoreBackend
 from elastic_ext.rendezvous.clock import SYSTEM_CLOCK, Clock
 from elastic_ext.rendezvous.errors import StoreUnavailableError
 from elastic_ext.rendezvous.events import EventKind, EventLog
-from elastic_ext.rendezvous.join_session import (
-    JoinSession,
-    Memory,
-    NodeContext,
-    wait_out_outage,
-)
+from elastic_ext.rendezvous.join_session import JoinSession
 from elastic_ext.rendezvous.keeper import Keeper
 from elastic_ext.rendezvous.lifecycle import Lifecycle, read_state
 from elastic_ext.rendezvous.policy import Limits
 from elastic_ext.rendezvous.probes import Probes
 from elastic_ext.rendezvous.prometheus import AgentMetrics
+from elastic_ext.rendezvous.session_context import Memory, NodeContext, wait_out_outage
 from elastic_ext.rendezvous.settings import Settings
 from elastic_ext.rendezvous.state import Phase, Status
 from elastic_ext.torch_compat import agent_gave_up, workers_succeeded
@@ -153,12 +149,11 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         self._start_keeper()
         if self._memory.completed is None:
             self._wait_for_starter_before_joining_a_running_job()
-        state = JoinSession(self._context, self._memory).run()
-        master = state.master()
+        seat = JoinSession(self._context, self._memory).run()
         return RendezvousInfo(
-            store=self._backend.round_store(state.generation, state.round),
-            rank=state.rank_of(self._node), world_size=len(state.order),
-            bootstrap_store_info=RendezvousStoreInfo(master.addr, master.port))
+            store=self._backend.round_store(seat.generation, seat.round),
+            rank=seat.rank, world_size=seat.world_size,
+            bootstrap_store_info=RendezvousStoreInfo(seat.master_addr, seat.master_port))
 
     def is_closed(self) -> bool:
         """Whether the run was closed for good (``set_closed``): torch's agent then does

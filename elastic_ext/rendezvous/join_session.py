@@ -18,36 +18,31 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass, field
 
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
-from elastic_ext.control import AgentControl
 from elastic_ext.net import free_port
-from elastic_ext.rendezvous.backend import StoreBackend, Token
-from elastic_ext.rendezvous.clock import Clock
+from elastic_ext.rendezvous.backend import Token
 from elastic_ext.rendezvous.closer_joins import CloserJoins
 from elastic_ext.rendezvous.errors import StoreUnavailableError
-from elastic_ext.rendezvous.events import EventKind, EventLog
+from elastic_ext.rendezvous.events import EventKind
+from elastic_ext.rendezvous.head import Head, Seat, seat_of
+from elastic_ext.rendezvous.head_path import WAITED, HeadPath
+from elastic_ext.rendezvous.head_path import WAKE_S as _WAKE_S
 from elastic_ext.rendezvous.joins import (
     JoinEntry,
     closer_of,
     is_own_join,
     removed_members,
 )
-from elastic_ext.rendezvous.keeper import Keeper
-from elastic_ext.rendezvous.lifecycle import Lifecycle, read_state
-from elastic_ext.rendezvous.policy import Joined, Limits, View, Write, decide
-from elastic_ext.rendezvous.probes import Probes
-from elastic_ext.rendezvous.settings import Settings
+from elastic_ext.rendezvous.lifecycle import read_state
+from elastic_ext.rendezvous.policy import Joined, View, Write, decide
+from elastic_ext.rendezvous.session_context import Memory, NodeContext, wait_out_outage
 from elastic_ext.rendezvous.state import NodeInfo, Phase, Reason, RunState, Status
 
 logger = logging.getLogger(__name__)
 
 _POLL = 0.05
-_WAKE_S = 1.0
-"""How long a node in an open round it does not close waits on the state before it looks
-whether the closer is still alive (the wait ends at once when the state changes)."""
 
 _Known = tuple[RunState | None, Token | None]
 """The state and its token as a write or a wait left them, so the loop need not read."""
@@ -58,51 +53,6 @@ OLD_ROUND_GRACE_S = 60.0
 (starved on a loaded machine) may still read them, and on the embedded store a key
 deleted between its ``check`` and its ``multi_get`` made that read wait out
 ``connect_timeout`` and fail (seen at 1,024 agents on two cores, issue 27)."""
-
-
-def wait_out_outage(backend: StoreBackend, clock: Clock, exc: StoreUnavailableError,
-                    deadline: float) -> None:
-    """Inside a rendezvous (and at an agent's first heartbeat) an outage is waited out until
-    the join deadline when the store can come back (etcd); the embedded store dies with its
-    host, so losing it ends the rendezvous at once: ``exc`` is raised again."""
-    if not backend.outages_are_transient or clock.monotonic() > deadline:
-        raise exc
-    logger.warning("etcd-ext: store unreachable, still trying until the join timeout: %s", exc)
-    clock.sleep(_POLL)
-
-
-@dataclass
-class Memory:
-    """What one node carries from one ``next_rendezvous`` call to the next."""
-
-    completed: tuple[str, int] | None = None  # (generation, round) it last joined
-    last_order: tuple[str, ...] = ()  # the nodes of that round, by rank
-    # when this node first saw each open round with MIN nodes (its last call counts from then)
-    min_reached_at: dict[tuple[str, int], float] = field(default_factory=dict)
-    last_written_note: str = ""  # logged when written: not logged again when read
-    # when this node saw each round of its generation complete (rank 0 drops old rounds'
-    # keys only ``OLD_ROUND_GRACE_S`` after)
-    completed_at: dict[tuple[str, int], float] = field(default_factory=dict)
-    # An open round whose idle closer this node took over. Kept across calls: after a call
-    # that ended in an error, the next one on the same round decides on it at once.
-    take_over: tuple[str, int] | None = None
-
-
-@dataclass(frozen=True)
-class NodeContext:
-    """This node and what a session reaches the run through; the same for every call."""
-
-    node: str
-    addr: str
-    settings: Settings
-    limits: Limits
-    backend: StoreBackend
-    clock: Clock
-    keeper: Keeper
-    events: EventLog
-    control: AgentControl
-    probes: Probes
-    lifecycle: Lifecycle
 
 
 class JoinSession:
@@ -121,15 +71,14 @@ class JoinSession:
         self._probes = context.probes
         self._lifecycle = context.lifecycle
         self._memory = memory
-        self._my_join: tuple[str, int] | None = None  # the open round we joined by key
-        self._my_join_position = 0
-        self._my_join_count = 0  # the round's join keys when ours was written
+        self._path = HeadPath(context, memory)  # our join by key, and the head's steps
         self._joins = CloserJoins(self._backend, self._limits.min_nodes,
                                   self._limits.max_nodes)
         self._read_at = float("-inf")  # when the loop last read the state itself
 
-    def run(self) -> RunState:
-        """The closed round this node is now a member of, recorded in ``Memory``.
+    def run(self) -> Seat:
+        """This node's seat in the closed round it is now a member of, recorded in
+        ``Memory``.
 
         Raises:
             RendezvousTimeoutError: no round admitted this node within ``join_timeout``.
@@ -150,7 +99,8 @@ class JoinSession:
                               f"restart after round {memory.completed[1]}: {why}",
                               after_round=memory.completed[1], why=why)
             if reenter is Reason.FAILURE or not self._keeper.round_progressed():
-                unreachable = self._probes.unreachable_peers(memory.last_order, memory.completed[1])
+                unreachable = self._probes.unreachable_peers(self._last_order(),
+                                                             memory.completed[1])
         self._keeper.watch_round(None)
         my_info = NodeInfo(self._addr, free_port("::" if ":" in self._addr else ""),
                            self._keeper.presence_port)
@@ -162,14 +112,22 @@ class JoinSession:
         known: _Known | None = None  # what our last write saw
         while True:
             try:
+                if known is None and not full_next and self._backend.keeps_heads:
+                    step = self._path.step(my_entry, deadline, self._timeout_message(None))
+                    if isinstance(step, tuple):
+                        return self._joined(step[0], step[1], None)
+                    if step == WAITED:
+                        continue
                 state, token = known if known is not None else self._read_state()
                 known = None
                 if state is None and memory.completed is not None \
-                        and self._lifecycle.last_round_left(memory.last_order):
+                        and self._lifecycle.last_round_left(
+                            memory.last_order if memory.last_order is not None
+                            else [n for n in [memory.last_rank0] if n]):
                     raise self._lifecycle.finished_away(None, memory.completed)
                 if state is not None and self._joined_open_round(state) and not full_next \
                         and not self._must_see_the_whole_round(state):
-                    known = self._wait_for_the_round(state, token, deadline)
+                    self._wait_for_the_round(state, token, deadline)
                     continue
                 full = full_next or self._must_see_the_whole_round(state)
                 full_next = False
@@ -197,7 +155,10 @@ class JoinSession:
                 wait_out_outage(self._backend, self._clock, exc, deadline)
                 continue
             if isinstance(decision, Joined):
-                return self._joined(decision.state)
+                state = decision.state
+                seat = seat_of(state, self._node)
+                assert seat is not None  # Joined: a closed round with this node in it
+                return self._joined(seat, Head.of(state), state)
             self._lifecycle.stop_if_over(decision, memory.completed)
             if state is not None and state.note not in (last_note, memory.last_written_note):
                 last_note = state.note
@@ -240,7 +201,7 @@ class JoinSession:
         """Whether ``state`` is the open round this node joined by key (``joins.py``)."""
         return state is not None and state.phase is Phase.OPEN \
             and state.status is Status.ACTIVE and self._node not in state.excluded \
-            and self._my_join == (state.generation, state.round)
+            and self._path.round == (state.generation, state.round)
 
     def _must_see_the_whole_round(self, state: RunState | None) -> bool:
         """Whether this node decides on the open round with every join read: it is the
@@ -252,8 +213,8 @@ class JoinSession:
         if closer is None or closer == self._node or self._keeper.dead_among({closer}) \
                 or self._memory.take_over == (state.generation, state.round):
             return True
-        return self._my_join == (state.generation, state.round) \
-            and self._my_join_position >= self._limits.max_nodes
+        return self._path.round == (state.generation, state.round) \
+            and self._path.position >= self._limits.max_nodes
 
     @staticmethod
     def _as_known(change: bool | tuple[bytes, Token]) -> _Known | None:
@@ -263,38 +224,10 @@ class JoinSession:
         return None
 
     def _wait_for_the_round(self, state: RunState, token: Token | None, deadline: float
-                            ) -> _Known | None:
-        """Wait, without reading the round's joins, until the state changes (the new state,
-        if the wait brought it along), the closer is judged dead, or the round stops moving
-        (no new join) for longer than its closer should take, when this node takes over
-        (``Memory.take_over``); a watch on etcd, not a poll. The idle limit grows with this
-        node's join position, so that the earliest joiner takes over first rather than
-        everyone at once. The join count, a request, is read every half of that limit:
-        every waiting agent reads it (once a second at 1,024 agents was 1,024 requests a
-        second for as long as the round stayed open)."""
-        closer = closer_of(state)
-        idle_limit = (self._settings.timeouts.last_call + self._settings.timeouts.heartbeat) \
-            * (1 + min(1.0, self._my_join_position / max(1, self._limits.max_nodes)))
-        joins = self._my_join_count
-        moved_at = counted_at = self._clock.monotonic()
-        while self._clock.monotonic() < deadline:
-            change = self._backend.wait_for_state(token, _WAKE_S, self._clock)
-            if change or (closer is not None and self._keeper.dead_among({closer})):
-                return self._as_known(change)
-            now = self._clock.monotonic()
-            if now - counted_at < idle_limit / 2:
-                continue
-            counted_at = now
-            count = self._backend.count_joins(state.generation, state.round)
-            if count != joins:
-                joins, moved_at = count, now
-            elif now - moved_at >= idle_limit:
-                logger.info("etcd-ext: round %d is still open %.1fs after its last join; "
-                            "deciding on it instead of its closer %s", state.round,
-                            now - moved_at, closer)
-                self._memory.take_over = (state.generation, state.round)
-                return None
-        raise RendezvousTimeoutError(self._timeout_message(state))
+                            ) -> None:
+        """``HeadPath.wait_for_the_round`` of the open round ``state``."""
+        self._path.wait_for_the_round((state.generation, state.round), closer_of(state),
+                                      token, deadline, self._timeout_message(state))
 
     def _with_joins(self, state: RunState | None) -> RunState | None:
         """``state`` with the open round's join keys merged in; the keeper judges them too
@@ -309,18 +242,11 @@ class JoinSession:
         """Join the open round with one key write (``joins.py``), once per round; ``again``
         when the whole round was read and this node is not in it (a node that judged it
         dead dropped its key)."""
-        key = (state.generation, state.round)
-        if self._my_join == key and not again:
-            return
-        # Members in the state (the closer) plus the join keys, this one's included: an
-        # upper bound of the round's size once this node is in (a merged state counts
-        # some twice, which costs one more look at the round, nothing else).
-        self._my_join_count = self._backend.join(state.generation, state.round, self._node,
-                                                 entry)
-        self._my_join_position = len(state.members) + self._my_join_count
-        self._my_join = key
-        logger.debug("etcd-ext: joined open round %d as number %d", state.round,
-                     self._my_join_position)
+        if self._path.round != (state.generation, state.round) or again:
+            # Members in the state (the closer) plus the join keys, this one's included: an
+            # upper bound of the round's size once this node is in (a merged state counts
+            # some twice, which costs one more look at the round, nothing else).
+            self._path.join(state.generation, state.round, len(state.members), entry)
 
     def _write(self, new: RunState, token: Token | None) -> _Known | None:
         """Compare-and-swap ``new``; the state as the store holds it now (ours or the one
@@ -346,48 +272,69 @@ class JoinSession:
         now = self._clock.monotonic()
         return now - self._memory.min_reached_at.setdefault(key, now)
 
-    def _joined(self, state: RunState) -> RunState:
-        """Record that this node is in the closed round ``state`` (``Memory``, the keeper,
-        its workers' control directory, the events) and return it."""
-        self._probes.learn_addresses(state)
-        self._keeper.watch_also(state.members)  # until the keeper reads this state itself
-        self._memory.completed = (state.generation, state.round)
-        self._memory.last_order = state.order
+    def _joined(self, seat: Seat, head: Head, state: RunState | None) -> Seat:
+        """Record that this node has ``seat`` in the closed round ``head`` (``Memory``, the
+        keeper, its workers' control directory, the events) and return it; ``state``: the
+        whole state, when this node read it."""
+        if state is not None:
+            self._probes.learn_addresses(state)
+        self._keeper.watch_also(state.members if state is not None else ())
+        self._memory.completed = (seat.generation, seat.round)
+        self._memory.last_order = state.order if state is not None else None
+        self._memory.last_rank0 = head.closer
+        self._memory.last_seal = seat.seal
         self._keeper.watch_round(self._memory.completed)
-        self._control.publish_round(state.round)
-        rank = state.rank_of(self._node)
-        master = state.master()
+        self._control.publish_round(seat.round)
         self._events.emit(EventKind.JOINED,
-                          f"joined round {state.round} as rank {rank} of {len(state.order)}",
-                          generation=state.generation, round=state.round, rank=rank,
-                          world_size=len(state.order), master_addr=master.addr,
-                          master_port=master.port, opened_because=state.opened_because.value,
-                          restarts=state.restarts, max_restarts=state.max_restarts)
+                          f"joined round {seat.round} as rank {seat.rank} of {seat.world_size}",
+                          generation=seat.generation, round=seat.round, rank=seat.rank,
+                          world_size=seat.world_size, master_addr=seat.master_addr,
+                          master_port=seat.master_port,
+                          opened_because=head.opened_because.value, restarts=head.restarts,
+                          max_restarts=head.max_restarts)
         logger.info("etcd-ext: round %d of run %s: rank %d of %d, workers' store at %s:%d",
-                    state.round, self._settings.run_id, rank, len(state.order), master.addr,
-                    master.port)
-        self._forget_old_rounds(state)
-        return state
+                    seat.round, self._settings.run_id, seat.rank, seat.world_size,
+                    seat.master_addr, seat.master_port)
+        self._forget_old_rounds(seat)
+        return seat
 
-    def _forget_old_rounds(self, state: RunState) -> None:
-        """Rank 0 drops the stores and join keys of the rounds before ``state``'s that it saw
+    def _last_order(self) -> tuple[str, ...]:
+        """The nodes of the round this node last ran in; when it took its seat without
+        reading them, from the round's seats, which also say where the nodes are (a probe
+        of them all is O(N) anyway)."""
+        memory = self._memory
+        if memory.last_order is not None or memory.completed is None:
+            return memory.last_order or ()
+        try:
+            nodes = {node: seat for node, raw in self._backend.read_seats(*memory.completed)
+                     if (seat := Seat.from_bytes(raw)) is not None
+                     and seat.seal == memory.last_seal}
+        except StoreUnavailableError:
+            nodes = {}  # probe whom we know
+        self._probes.learn_nodes({node: seat.node for node, seat in nodes.items()})
+        memory.last_order = tuple(sorted(nodes, key=lambda node: nodes[node].rank)) \
+            or tuple(n for n in [memory.last_rank0] if n)
+        return memory.last_order
+
+    def _forget_old_rounds(self, seat: Seat) -> None:
+        """Rank 0 drops the stores join keys and seats of the rounds before ``seat``'s that it saw
         complete ``OLD_ROUND_GRACE_S`` ago or more (tidying only), and every node forgets
         when older open rounds reached MIN nodes."""
         now = self._clock.monotonic()
         seen = self._memory.completed_at
-        seen.setdefault((state.generation, state.round), now)
+        seen.setdefault((seat.generation, seat.round), now)
         recent = [r for (g, r), at in seen.items()
-                  if g == state.generation and now - at < OLD_ROUND_GRACE_S]
-        keep_from = min([state.round - 1, *recent])
+                  if g == seat.generation and now - at < OLD_ROUND_GRACE_S]
+        keep_from = min([seat.round - 1, *recent])
         self._memory.completed_at = {(g, r): at for (g, r), at in seen.items()
-                                     if g == state.generation and r >= keep_from}
-        if state.rank_of(self._node) == 0:
+                                     if g == seat.generation and r >= keep_from}
+        if seat.rank == 0:
             try:
-                self._backend.drop_round_stores(state.generation, keep_from)
+                self._backend.drop_round_stores(seat.generation, keep_from)
             except Exception as exc:  # tidying up only: the keys are removed with the run
                 logger.debug("etcd-ext: could not drop old round stores: %s", exc)
         self._memory.min_reached_at = {k: v for k, v in self._memory.min_reached_at.items()
-                                       if k == (state.generation, state.round)}
+                                       if k == (seat.generation, seat.round)}
 
     def _timeout_message(self, state: RunState | None) -> str:
         """Why no round admitted this node, and what to change."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, KeysView, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from elastic_ext.control import AgentControl
@@ -28,16 +28,18 @@ from elastic_ext.rendezvous.backend import StoreBackend, presence_port_of
 from elastic_ext.rendezvous.clock import SYSTEM_CLOCK, Clock
 from elastic_ext.rendezvous.errors import CorruptStateError
 from elastic_ext.rendezvous.events import EventKind, EventLog
+from elastic_ext.rendezvous.head import Head
 from elastic_ext.rendezvous.joins import closer_of
 from elastic_ext.rendezvous.liveness import LEFT, Liveness, Verdict
 from elastic_ext.rendezvous.notices import NoticeRelay
-from elastic_ext.rendezvous.policy import Limits, restart_pressure
+from elastic_ext.rendezvous.policy import Limits, head_pressure
 from elastic_ext.rendezvous.presence import (
     PresenceListener,
     PresenceProbe,
     PresenceWatch,
     unreachable_among,
 )
+from elastic_ext.rendezvous.run_view import RunView, watcher_verdict
 from elastic_ext.rendezvous.state import Phase, Reason, RunState, Status
 
 logger = logging.getLogger(__name__)
@@ -79,9 +81,8 @@ class Keeper:
         self._reported_dead: set[str] = set()  # once per death, not at every round
         self._failing_since: float | None = None
         self._peers: frozenset[str] = frozenset()  # the last state's members and waiting
-        self._state: tuple[RunState | None, object | None] = (None, None)  # (state, token)
+        self._view = RunView(backend, node)  # the state's head, the whole state if judging
         self._nodes: tuple[object, frozenset[str]] = (None, frozenset())  # whom it names
-        self._version: object | None = object()  # the state version read last: none yet
         self._dead: frozenset[str] = frozenset()  # the last tick's judgement
         self._also_watched: set[str] = set()
         self._inherited: set[str] = set()  # dead by the last verdict we trusted
@@ -172,6 +173,7 @@ class Keeper:
     def watch_round(self, round_: tuple[str, int] | None) -> None:
         with self._lock:
             self._round = round_
+            self._view.member_of = round_ or self._view.member_of
             self._pressure = Pressure()
             self._round_since = self._clock.monotonic()
             self._progressed = False
@@ -208,23 +210,21 @@ class Keeper:
             also = self._also_watched
         try:
             self._presence.drain()
-            state, token = self._state
-            watcher = closer_of(state)
-            # While the watcher is dead, nodes outside its round judge everyone (a requeued
-            # job finding its old agents gone); its members need not: it ends their round.
-            judging = watcher is None or watcher == self._node or (
-                watcher in self._dead and (state is None or self._node not in state.members))
+            view = self._view
+            watcher = view.head.closer if view.head else None
+            judging = view.judges(self._dead)
+            state = view.state(read=False) if judging else None
             if self._nodes[0] != (state, also):  # O(N) once per state, not at every tick
                 known = state.known_nodes() if state else set()
                 self._nodes = ((state, also), frozenset((known | also) - {self._node}))
             nodes = self._nodes[1]
             observed = sorted(nodes) if judging else [watcher] if watcher else []
             read = self._backend.keeper_read(self._node, self._presence.port, observed)
-            if fresh := read.state_version != self._version:
-                current = self._backend.state_after(read.state_version)
-                state, token = (RunState.from_bytes(current[0]), current[1]) if current \
-                    else (None, None)
-                self._state, self._version = (state, token), read.state_version
+            fresh = view.refresh(read.state_version)
+            head, token = view.head, view.token
+            # The whole state only for a node that judges everyone (it names them), now or
+            # from this tick on: the others follow the head, a few bytes (``head.py``).
+            state = view.state(read=judging or view.judges(self._dead))
             beats = read.beats
         except CorruptStateError as exc:
             logger.error("etcd-ext: %s", exc)
@@ -254,14 +254,15 @@ class Keeper:
                 port = presence_port_of(value)
                 if port is not None:
                     self._ports[node] = port
-            if fresh and state is not None:
-                self._peers = frozenset(set(state.members) | set(state.waiting)) - {self._node}
-                for node, info in {**state.members, **state.waiting}.items():
+            if fresh:  # whom we report ages of, and where they listen
+                peers, infos = view.peers()
+                self._peers = frozenset(peers) - {self._node}
+                for node, info in infos.items():
                     self._addrs[node] = info.addr
                     if info.presence is not None:
                         self._ports.setdefault(node, info.presence)
-            dead, left = self._judge(state, watcher, judging, nodes, beats,
-                                     Verdict.from_bytes(read.verdict))
+            verdict_read = Verdict.from_bytes(read.verdict)
+            dead, left = self._judge(head, watcher, judging, nodes, beats, verdict_read)
             self._dead = dead
             for node in sorted(dead - self._reported_dead):
                 if node in left:
@@ -274,11 +275,11 @@ class Keeper:
             self._reported_dead = (self._reported_dead | dead) - (set(beats) - dead)
             # Only the watcher publishes, and only a judgement of everyone: a tick that
             # read the state that made us the watcher read one heartbeat, not all.
-            verdict = Verdict(self._node, state.generation, dead, left) \
+            verdict = watcher_verdict(self._node, state, dead, left) \
                 if judging and state is not None and closer_of(state) == self._node else None
             if self._round is None or self._round != watched:
                 record_progress = False  # not in a round, or it changed while we read
-            elif state is None:
+            elif head is None:
                 # The last agent of a finished job removed the run's keys while this one
                 # was away (frozen): nothing to train with any more.
                 if not self._pressure.count:
@@ -286,17 +287,17 @@ class Keeper:
                                                Reason.MEMBERSHIP))
                 record_progress = False
             else:
-                record_progress = self._note_progress(state)
-                self._weigh(state, dead)
+                record_progress = self._note_progress(head)
+                self._weigh(head, dead, view.lost_of(self._round, dead, verdict_read))
         if verdict is not None and verdict != self._published:
             self._publish(verdict)
-        self._notices.act(state, token, dead)
+        self._notices.act(head, token, dead, lambda: view.read_state(None))
         if record_progress and state is not None:
-            self._record_progress(state, token)
+            self._record_progress(state, view.state_token)
         if watched is not None:
             self.check_worker_report()
 
-    def _judge(self, state: RunState | None, watcher: str | None, judging: bool,
+    def _judge(self, head: Head | None, watcher: str | None, judging: bool,
                nodes: frozenset[str], beats: Mapping[str, bytes | None], verdict: Verdict | None
                ) -> tuple[frozenset[str], frozenset[str]]:
         """(dead, left) among ``nodes`` (under ``_lock``): our own judgement when we watch
@@ -312,24 +313,24 @@ class Keeper:
         if judging:
             inherited = {n for n in self._inherited & nodes if not self._liveness.moved(n)}
             return frozenset(own | inherited), frozenset(left | (self._inherited_left & inherited))
-        if state is not None and verdict is not None and verdict.by == watcher \
-                and verdict.generation == state.generation:
+        if head is not None and verdict is not None and verdict.by == watcher \
+                and verdict.generation == head.generation:
             self._inherited, self._inherited_left = set(verdict.dead), set(verdict.left)
-            return frozenset(own | (verdict.dead & nodes)), frozenset(left | verdict.left)
+            return frozenset(own | verdict.dead), frozenset(left | verdict.left)
         return frozenset(own), frozenset(left)
 
-    def _weigh(self, state: RunState, dead: frozenset[str]) -> None:
+    def _weigh(self, head: Head, dead: frozenset[str], lost: frozenset[str]) -> None:
         """Turn what we read into a reason to leave our round, if any (under ``_lock``)."""
         assert self._round is not None
-        lost = sorted((dead - {self._node}) & self._members_of_our_round(state))
         if lost and self._lost_told != self._round:
             # Also after another reason came first: the stop must not wait on them.
-            self._control.publish_peer_lost(self._round[1], f"dead or hung: {', '.join(lost)}")
+            self._control.publish_peer_lost(self._round[1],
+                                            f"dead or hung: {', '.join(sorted(lost))}")
             self._lost_told = self._round
         if self._pressure.count:
             return  # sticky until the next round: the agent acts on the first reason
-        count, why, reason = restart_pressure(
-            state, self._node, dead, self._limits, self._round,
+        count, why, reason = head_pressure(
+            head, self._node, dead, lost, self._limits, self._round,
             self._control.fault_reported(self._round[1]) is not None)
         if count:
             self._leave_round(Pressure(count, why, reason))
@@ -342,7 +343,7 @@ class Keeper:
         except Exception as exc:  # the next tick tries again
             logger.debug("etcd-ext: could not publish the verdict: %s", exc)
 
-    def _note_progress(self, state: RunState) -> bool:
+    def _note_progress(self, head: Head) -> bool:
         """Update what we know of the watched round's progress (under ``_lock``); True when
         the run's state should learn it from us (rank 0 of the round)."""
         assert self._round is not None
@@ -354,9 +355,9 @@ class Keeper:
                 self._progressed = True
         # Rank 0 writes it: its workers take part in every step, and one writer is one
         # write, where every agent trying would be N compare-and-swaps of the whole state.
-        return (self._progressed and (state.generation, state.round) == self._round
-                and state.phase is Phase.CLOSED and state.status is Status.ACTIVE
-                and state.progress_round < state.round and closer_of(state) == self._node)
+        return (self._progressed and (head.generation, head.round) == self._round
+                and head.phase is Phase.CLOSED and head.status is Status.ACTIVE
+                and head.progress_round < head.round and head.closer == self._node)
 
     def _record_progress(self, state: RunState, token: object | None) -> None:
         """Tell the run that its round trained (one write per round, whoever is first), so
@@ -365,16 +366,6 @@ class Keeper:
             self._backend.set_state(replace(state, progress_round=state.round).to_bytes(), token)
         except Exception as exc:  # the next tick tries again
             logger.debug("etcd-ext: could not record the round's progress: %s", exc)
-
-    def _members_of_our_round(self, state: RunState) -> KeysView[str] | set[str]:
-        """Who our workers train with: the state's round (closed: its members are its
-        order), or the one a newer open round replaced (under ``_lock``, a round watched)."""
-        assert self._round is not None
-        if (state.generation, state.round) == self._round and state.phase is Phase.CLOSED:
-            return state.members.keys()
-        if (state.generation, state.round - 1) == self._round and state.phase is Phase.OPEN:
-            return set(state.previous)
-        return set()
 
     def check_worker_report(self) -> None:
         """Act on a worker's peer-fault report now rather than at the next tick: the agent
@@ -398,3 +389,5 @@ class Keeper:
         self._events.emit(EventKind.LEAVING_ROUND, f"leaving round {self._round[1]}: "
                           f"{pressure.why}", round=self._round[1], why=pressure.why,
                           reason=pressure.reason.value)
+
+

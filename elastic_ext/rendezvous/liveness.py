@@ -29,16 +29,21 @@ LEFT = b"left"  # what a node writes to its heartbeat key when it leaves cleanly
 
 @dataclass(frozen=True)
 class Verdict:
-    """The watching node's judgement, as it publishes it: who is dead, and of those, who left."""
+    """The watching node's judgement, as it publishes it: who is dead, and of those, who
+    left, and who of the dead ran in the last closed round (``round``; its ``lost``), so
+    that a node that knows its round only by its seat (``head.py``) can tell its workers."""
 
     by: str
     generation: str
     dead: frozenset[str]
     left: frozenset[str] = frozenset()
+    round: int = 0
+    lost: frozenset[str] = frozenset()
 
     def to_bytes(self) -> bytes:
         return json.dumps({"by": self.by, "generation": self.generation,
-                           "dead": sorted(self.dead), "left": sorted(self.left)},
+                           "dead": sorted(self.dead), "left": sorted(self.left),
+                           "round": self.round, "lost": sorted(self.lost)},
                           separators=(",", ":")).encode()
 
     @classmethod
@@ -49,11 +54,14 @@ class Verdict:
         try:
             doc = json.loads(raw)
             by, generation, dead, left = doc["by"], doc["generation"], doc["dead"], doc["left"]
+            round_, lost = doc.get("round", 0), doc.get("lost", [])
             if not isinstance(by, str) or not isinstance(generation, str) \
                     or not isinstance(dead, list) or not isinstance(left, list) \
-                    or not all(isinstance(n, str) for n in dead + left):
+                    or not isinstance(lost, list) or not isinstance(round_, int) \
+                    or not all(isinstance(n, str) for n in dead + left + lost):
                 return None
-            return cls(by, generation, frozenset(dead), frozenset(left))
+            return cls(by, generation, frozenset(dead), frozenset(left), round_,
+                       frozenset(lost))
         except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
             return None
 

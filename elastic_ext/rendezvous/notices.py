@@ -14,6 +14,7 @@ from elastic_ext.rendezvous.backend import StoreBackend
 from elastic_ext.rendezvous.clock import Clock
 from elastic_ext.rendezvous.drain import NOTICE_SETTLE_S, settled, with_notice
 from elastic_ext.rendezvous.events import EventKind, EventLog
+from elastic_ext.rendezvous.head import Head
 from elastic_ext.rendezvous.policy import Limits
 from elastic_ext.rendezvous.state import RunState
 
@@ -45,6 +46,7 @@ class NoticeRelay:
         self._seen: float | None = None  # when this node's notice was first seen
         self._recorded: float | None = None  # when it was written to the state
         self._stop_told = False  # the workers were told the job stops (durable snapshot)
+        self._stop_checked: object | None = None  # the state token whose stop was not ours
         self._closed = threading.Event()
         control.on_notice = wake
 
@@ -60,20 +62,31 @@ class NoticeRelay:
         self._closed.set()
         self._control.ring()
 
-    def act(self, state: RunState | None, token: object | None, dead: frozenset[str]) -> None:
+    def act(self, head: Head | None, token: object | None, dead: frozenset[str],
+            read_state: Callable[[], tuple[RunState | None, object | None]]) -> None:
         """Pass a whole-job stop on to the workers; record this node's notice in the state,
-        then settle it ``NOTICE_SETTLE_S`` later (``drain.py``)."""
-        if state is not None and state.stop:
+        then settle it ``NOTICE_SETTLE_S`` later (``drain.py``). Decided on the state's
+        head (``head.py``); the whole state is read (``read_state``) only for a stop or a
+        notice of this node's."""
+        if head is not None and head.stop:
+            if self._stop_told or self._stop_checked == token:
+                return
             # Only the stop of a job this node trains in (this round or the last): a new
             # job's agent may read the old job's state, even wait to join it, before it
             # starts a new generation, and its workers must not stop at their first step.
-            if not self._stop_told and self._node in {*state.members, *state.previous}:
+            self._stop_checked = token
+            state, _ = read_state()
+            if state is not None and state.stop and \
+                    self._node in {*state.members, *state.previous}:
                 self._stop_told = True
                 self._control.publish_preemption(state.stop)
                 self._events.emit(EventKind.JOB_STOPPING, state.stop, why=state.stop)
             return
         why = self._notice()
-        if why is None or self._stop_told or state is None or self._node in state.leaving:
+        if why is None or self._stop_told or head is None or self._node in head.leaving:
+            return
+        state, token = read_state()
+        if state is None:
             return
         if self._recorded is None:
             recorded = with_notice(state, self._node, why)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
+from elastic_ext.rendezvous.head import Head
 from elastic_ext.rendezvous.state import NodeInfo, Phase, Reason, RunState, Status
 
 
@@ -296,34 +297,43 @@ def close_round(state: RunState, view: View, limits: Limits | None = None) -> Ru
 
 def restart_pressure(state: RunState, me: str, dead: frozenset[str], limits: Limits,
                      my_round: tuple[str, int], fault_reported: bool) -> tuple[int, str, Reason]:
-    """How many reasons a running agent has to restart its workers, the first, and its kind.
+    """``head_pressure`` of a node that read the whole state."""
+    lost = frozenset(n for n in dead if n in state.members) \
+        if (state.generation, state.round) == my_round and state.phase is Phase.CLOSED \
+        else frozenset()
+    return head_pressure(Head.of(state), me, dead, lost, limits, my_round, fault_reported)
+
+
+def head_pressure(head: Head, me: str, dead: frozenset[str], lost: frozenset[str],
+                  limits: Limits, my_round: tuple[str, int], fault_reported: bool
+                  ) -> tuple[int, str, Reason]:
+    """How many reasons a running agent has to restart its workers, the first, and its kind,
+    from the state's head and ``lost``, the dead of its round (``my_round``).
 
     torch's agent polls ``num_nodes_waiting`` while its workers are healthy and
     restarts them without spending a local restart when it is positive.
     """
     generation, round_ = my_round
-    if state.generation == generation and (
-            state.round < round_ or (state.round == round_ and state.phase is Phase.OPEN)):
+    if head.generation == generation and (
+            head.round < round_ or (head.round == round_ and head.phase is Phase.OPEN)):
         # Read before our round closed (a round never reopens under its number): stale.
         return 0, "", Reason.FAILURE
-    if (state.generation, state.round) != my_round or state.phase is Phase.OPEN:
+    if (head.generation, head.round) != my_round or head.phase is Phase.OPEN:
         # A round opened for a membership change says so; anything else may be a failure.
-        why = Reason.MEMBERSHIP if state.phase is Phase.OPEN and state.generation == generation \
-            and state.opened_because is Reason.MEMBERSHIP else Reason.FAILURE
-        return 1, f"round {state.round} ({state.phase.value}) replaced round {my_round[1]}", why
-    if state.status is not Status.ACTIVE:
-        return 1, f"run is {state.status.value}", Reason.FAILURE
-    # The round is closed here, so its members are its order: a look-up per node named,
-    # not a set of the whole round at every keeper tick.
-    leaving = sorted(n for n in state.leaving if n in state.members)
+        why = Reason.MEMBERSHIP if head.phase is Phase.OPEN and head.generation == generation \
+            and head.opened_because is Reason.MEMBERSHIP else Reason.FAILURE
+        return 1, f"round {head.round} ({head.phase.value}) replaced round {my_round[1]}", why
+    if head.status is not Status.ACTIVE:
+        return 1, f"run is {head.status.value}", Reason.FAILURE
+    leaving = sorted(head.leaving_members)
     if leaving:
         return len(leaving), f"leaving on a preemption notice: {', '.join(leaving)}", \
             Reason.MEMBERSHIP
-    lost = sorted(n for n in dead if n in state.members and n != me)
-    if lost:
-        return len(lost), f"dead or hung: {', '.join(lost)}", Reason.MEMBERSHIP
-    room = limits.max_nodes - len(state.order)
-    joiners = [n for n in state.waiting if n not in dead][:max(room, 0)]
+    gone = sorted(lost - {me})
+    if gone:
+        return len(gone), f"dead or hung: {', '.join(gone)}", Reason.MEMBERSHIP
+    room = limits.max_nodes - head.size
+    joiners = [n for n in head.waiting if n not in dead][:max(room, 0)]
     if joiners:
         return len(joiners), f"waiting to join: {', '.join(joiners)}", Reason.MEMBERSHIP
     if fault_reported:

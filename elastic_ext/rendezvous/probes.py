@@ -8,13 +8,13 @@ and which nodes an open round would wait for whose agent is gone for sure.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from elastic_ext.rendezvous.backend import StoreBackend, presence_port_of
 from elastic_ext.rendezvous.errors import StoreUnavailableError
 from elastic_ext.rendezvous.events import EventKind, EventLog
 from elastic_ext.rendezvous.keeper import Keeper
-from elastic_ext.rendezvous.state import Phase, RunState
+from elastic_ext.rendezvous.state import NodeInfo, Phase, RunState
 
 
 class Probes:
@@ -32,7 +32,10 @@ class Probes:
     def learn_addresses(self, state: RunState) -> None:
         """Remember every node's address and presence port ``state`` names, so that a probe
         can reach them later without reading their heartbeats."""
-        nodes = {**state.members, **state.waiting}
+        self.learn_nodes({**state.members, **state.waiting})
+
+    def learn_nodes(self, nodes: Mapping[str, NodeInfo]) -> None:
+        """Remember where ``nodes`` are (from a state, or from a round's seats)."""
         for node, info in nodes.items():
             self._addrs[node] = info.addr
         self._keeper.learn_ports({n: i.presence for n, i in nodes.items() if i.presence},

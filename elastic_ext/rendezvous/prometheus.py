@@ -207,6 +207,22 @@ class MeasuredBackend(StoreBackend):
         with self._metrics.request("state_after"):
             return self._inner.state_after(version)
 
+    @property
+    def keeps_heads(self) -> bool:
+        return self._inner.keeps_heads
+
+    def head_after(self, version: object | None) -> tuple[bytes, Token] | None:
+        with self._metrics.request("head_after"):
+            return self._inner.head_after(version)
+
+    def read_seat(self, generation: str, round_: int, node: str) -> bytes | None:
+        with self._metrics.request("read_seat"):
+            return self._inner.read_seat(generation, round_, node)
+
+    def read_seats(self, generation: str, round_: int) -> list[tuple[str, bytes]]:
+        with self._metrics.request("read_seats"):
+            return self._inner.read_seats(generation, round_)
+
     def join(self, generation: str, round_: int, node: str, entry: bytes) -> int:
         with self._metrics.request("join"):
             return self._inner.join(generation, round_, node, entry)

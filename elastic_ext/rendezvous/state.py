@@ -130,20 +130,21 @@ class RunState:
             if doc.get("v") != STATE_VERSION:
                 raise ValueError(f"unknown state version {doc.get('v')!r}")
             state = cls(
-                generation=_text(doc["generation"]), round=_int(doc["round"]),
+                generation=parse_text(doc["generation"]), round=parse_count(doc["round"]),
                 phase=Phase(doc["phase"]), status=Status(doc["status"]),
-                members=_nodes(doc["members"]), order=tuple(_text(n) for n in doc["order"]),
+                members=_nodes(doc["members"]), order=tuple(parse_text(n) for n in doc["order"]),
                 waiting=_nodes(doc["waiting"]),
-                previous=tuple(_text(n) for n in doc["previous"]),
+                previous=tuple(parse_text(n) for n in doc["previous"]),
                 opened_because=Reason(doc["opened_because"]),
-                restarts=_int(doc["restarts"]), note=_text(doc.get("note", "")),
-                max_restarts=None if doc.get("max_restarts") is None else _int(doc["max_restarts"]),
-                progress_round=_int(doc.get("progress_round", 0)),
-                unreachable={_text(k): tuple(_text(n) for n in _list(v))
+                restarts=parse_count(doc["restarts"]), note=parse_text(doc.get("note", "")),
+                max_restarts=None if doc.get("max_restarts") is None
+                else parse_count(doc["max_restarts"]),
+                progress_round=parse_count(doc.get("progress_round", 0)),
+                unreachable={parse_text(k): tuple(parse_text(n) for n in _list(v))
                              for k, v in _mapping(doc.get("unreachable", {})).items()},
                 excluded=_reasons(doc.get("excluded", {})),
                 notices=_reasons(doc.get("notices", {})),
-                leaving=_reasons(doc.get("leaving", {})), stop=_text(doc.get("stop", "")),
+                leaving=_reasons(doc.get("leaving", {})), stop=parse_text(doc.get("stop", "")),
             )
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError,
                 RecursionError) as exc:
@@ -154,13 +155,13 @@ class RunState:
         return state
 
 
-def _text(value: Any) -> str:
+def parse_text(value: Any) -> str:
     if not isinstance(value, str) or len(value) > 4096:
         raise ValueError(f"expected a short string, got {type(value).__name__}")
     return value
 
 
-def _int(value: Any) -> int:
+def parse_count(value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"expected a non-negative integer, got {value!r}")
     return value
@@ -179,19 +180,21 @@ def _list(value: Any) -> list[Any]:
 
 
 def _reasons(value: Any) -> dict[str, str]:
-    return {_text(k): _text(v) for k, v in _mapping(value).items()}
+    return {parse_text(k): parse_text(v) for k, v in _mapping(value).items()}
 
 
 def _nodes(doc: Any) -> dict[str, NodeInfo]:
     if not isinstance(doc, dict):
         raise ValueError("expected a mapping of nodes")
-    out = {}
-    for node, info in doc.items():
-        addr, port, *presence = info
-        if len(presence) > 1:
-            raise ValueError("a node is [address, port] or [address, port, presence port]")
-        for value in (port, *presence):
-            if not 0 < _int(value) < 65536:
-                raise ValueError(f"bad port {value!r}")
-        out[_text(node)] = NodeInfo(_text(addr), port, presence[0] if presence else None)
-    return out
+    return {parse_text(node): parse_node_info(info) for node, info in doc.items()}
+
+
+def parse_node_info(info: Any) -> NodeInfo:
+    """``NodeInfo.to_json`` parsed strictly (ValueError, TypeError)."""
+    addr, port, *presence = info
+    if len(presence) > 1:
+        raise ValueError("a node is [address, port] or [address, port, presence port]")
+    for value in (port, *presence):
+        if not 0 < parse_count(value) < 65536:
+            raise ValueError(f"bad port {value!r}")
+    return NodeInfo(parse_text(addr), port, presence[0] if presence else None)

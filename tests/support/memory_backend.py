@@ -14,13 +14,18 @@ from datetime import timedelta
 from torch.distributed import HashStore, Store
 
 from elastic_ext.rendezvous.backend import (
+    HEAD_KEY,
+    SEAT_DIR,
     STATE_KEY,
     StoreBackend,
     Token,
+    head_and_seats,
     heartbeat_value,
+    poll_until,
     unwrap_state,
     wrap_state,
 )
+from elastic_ext.rendezvous.clock import Clock
 from elastic_ext.rendezvous.errors import StoreUnavailableError
 from elastic_ext.rendezvous.liveness import LEFT
 
@@ -88,7 +93,12 @@ class MemoryBackend(StoreBackend):
             current_revision = None if found is None else found[1]
             written = valid and token == current_revision
             if written:
+                head, seats = head_and_seats(state)
+                for name, seat in seats.items():  # before the state, as etcd's closer does
+                    self.store.put(self._prefix + SEAT_DIR + name, seat)
                 revision = self.store.put(key, wrap_state(state))
+                # in the state's transaction: its revision (empty for bytes that are no state)
+                self.store.keys[self._prefix + HEAD_KEY] = (head or b"", revision)
                 listeners = list(self.store.state_listeners.get(self._prefix, ()))
         if written:
             for listener in listeners:  # as a watch would, once the write is done
@@ -97,6 +107,36 @@ class MemoryBackend(StoreBackend):
         if found is None:
             return None
         return unwrap_state(found[0]), found[1], False
+
+    @property
+    def keeps_heads(self) -> bool:
+        return True
+
+    def head_after(self, version: object | None) -> tuple[bytes, Token] | None:
+        with self.store.lock:
+            self.store.check_up()
+            found = self.store.keys.get(self._prefix + HEAD_KEY)
+        return found if found is not None and found[0] else super().head_after(version)
+
+    def wait_for_state(self, token: Token | None, timeout: float, clock: Clock
+                       ) -> bool | tuple[bytes, Token]:
+        """On the state's version, as etcd's watch of the head: no read of the state."""
+        def changed() -> bool:
+            return self.state_version() != token
+        return poll_until(changed, timeout, clock)
+
+    def read_seat(self, generation: str, round_: int, node: str) -> bytes | None:
+        with self.store.lock:
+            self.store.check_up()
+            found = self.store.keys.get(f"{self._prefix}{SEAT_DIR}{generation}/{round_}/{node}")
+        return None if found is None else found[0]
+
+    def read_seats(self, generation: str, round_: int) -> list[tuple[str, bytes]]:
+        prefix = f"{self._prefix}{SEAT_DIR}{generation}/{round_}/"
+        with self.store.lock:
+            self.store.check_up()
+            return [(k[len(prefix):], v) for k, (v, _) in self.store.keys.items()
+                    if k.startswith(prefix)]
 
     def on_state_change(self, callback: Callable[[], None]) -> None:
         with self.store.lock:
@@ -199,10 +239,11 @@ class MemoryBackend(StoreBackend):
                 gen, round_text = key[len(f"{self._prefix}store/"):].split("/")
                 if gen != generation or int(round_text) < keep_from_round:
                     del self.store.round_stores[key]
-            for key in [k for k in self.store.keys if k.startswith(f"{self._prefix}join/")]:
-                gen, round_text = key[len(f"{self._prefix}join/"):].split("/")[:2]
-                if gen != generation or int(round_text) < keep_from_round:
-                    del self.store.keys[key]  # the join keys of those rounds too, as etcd's
+            for kind in ("join/", SEAT_DIR):  # the join keys and seats too, as etcd's
+                for key in [k for k in self.store.keys if k.startswith(self._prefix + kind)]:
+                    gen, round_text = key[len(self._prefix + kind):].split("/")[:2]
+                    if gen != generation or int(round_text) < keep_from_round:
+                        del self.store.keys[key]
 
     def list_runs(self) -> list[str]:
         with self.store.lock:
