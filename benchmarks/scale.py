@@ -396,6 +396,9 @@ class CaseResult:
     rate: Outcome = field(default_factory=Outcome)
     change_requests: Outcome = field(default_factory=Outcome)  # round 2, per survivor
     change_kb: Outcome = field(default_factory=Outcome)  # round 2, per survivor
+    # the same less what an idle agent costs over as long (the keeper's ticks): the
+    # rendezvous' own, which should not grow with N (issue 27)
+    change_kb_net: Outcome = field(default_factory=Outcome)
     cpu_agents: Outcome = field(default_factory=Outcome)
     cpu_per_agent: Outcome = field(default_factory=Outcome)  # round 1, ms
     cpu_change_per_agent: Outcome = field(default_factory=Outcome)  # round 2, ms per survivor
@@ -708,6 +711,7 @@ class Case:
             return
         steady_from = time.monotonic()
         before = self.etcd.requests()
+        bytes_before = self.etcd.sent_bytes()
         try:
             self.collect(lambda: False, steady_from + self.args.steady)
         except CaseFailure as exc:
@@ -715,13 +719,18 @@ class Case:
             result.rate.failure = "failed"
             return
         used = self.etcd.requests() - before
+        idle_bytes = self.etcd.sent_bytes() - bytes_before
         elapsed = time.monotonic() - steady_from
         late = sum(1 for a in self.agents if any(t >= steady_from for t in a.rejoins))
         result.false_restarts += late
         result.rate.value = sum(used.values()) / elapsed
+        idle_kb = idle_bytes / 1024 / elapsed / len(survivors)  # per agent per second
+        if result.change_kb.value is not None and result.round2.value is not None:
+            result.change_kb_net.value = result.change_kb.value - idle_kb * result.round2.value
         self.say(f"steady {result.rate.value:.0f} requests/s over {elapsed:.1f}s "
-                 f"({self._top(used)})" + (f"; {late} agents restarted while idle" if late
-                                           else ""))
+                 f"({self._top(used)}), {idle_kb:.2f} KB/s per agent from etcd; the round "
+                 f"change less that: {result.change_kb_net.value or 0:.1f} KB per agent"
+                 + (f"; {late} agents restarted while idle" if late else ""))
 
     def _noticed(self, survivors: list[int], t_kill: float) -> str:
         """When the survivors went back into the rendezvous, from the kill."""
@@ -766,7 +775,7 @@ def cell(outcomes: list[Outcome], digits: int = 2) -> str:
 def table(results: dict[tuple[int, str], list[CaseResult]], sizes: list[int],
           backends: list[str]) -> list[str]:
     columns = ["round 1 (s)", "round 2 (s)", "etcd requests round 1", "etcd requests/s idle",
-               "round change per agent: requests, KB", "CPU s round 1",
+               "round change per agent: requests, KB (KB less idle)", "CPU s round 1",
                "CPU ms per agent: round 1, round change"]
     head = ["N", *(f"{SHORT[b]}: {c}" for b in backends for c in columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -780,7 +789,8 @@ def table(results: dict[tuple[int, str], list[CaseResult]], sizes: list[int],
                 requests = cell([c.requests for c in cases], 0)
                 rate = cell([c.rate for c in cases], 0)
                 change = (f"{cell([c.change_requests for c in cases], 1)}, "
-                          f"{cell([c.change_kb for c in cases], 1)}")
+                          f"{cell([c.change_kb for c in cases], 1)} "
+                          f"({cell([c.change_kb_net for c in cases], 1)})")
             else:
                 requests = rate = change = "n/a"
             per_agent = (f"{cell([c.cpu_per_agent for c in cases], 1)}, "
@@ -909,10 +919,11 @@ def main(argv: list[str] | None = None) -> int:
           f"idle job after round 2 (N-{args.kill} agents); round change per agent: etcd's "
           "requests and the bytes it sent its clients (etcd_network_client_grpc_sent_bytes_total; "
           "the JSON gateway passes on about 4/3 of them) from the kill to round 2 formed, over "
-          "the survivors; CPU: user+system seconds in the round-1 "
-          "window, of all worker processes (the embedded and stock store included) and of etcd; "
-          "CPU per agent: the same over N in ms, and from the kill to round 2 formed over the "
-          "survivors")
+          "the survivors (in brackets: less the bytes an idle agent receives over as long, its "
+          "keeper's ticks, measured over the idle seconds); CPU: user+system seconds in the "
+          "round-1 window, of all worker processes (the embedded and stock store included) and "
+          "of etcd; CPU per agent: the same over N in ms, and from the kill to round 2 formed "
+          "over the survivors")
     false = {n: sum(c.false_restarts for c in results.get((n, "etcd"), [])
                     + results.get((n, "embedded"), [])) for n in sizes}
     if any(false.values()):
