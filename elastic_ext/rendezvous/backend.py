@@ -207,9 +207,10 @@ class StoreBackend(ABC):
                        ) -> bool | tuple[bytes, Token]:
         """Wait until the state's token differs from ``token`` (what ``get_state`` or
         ``set_state`` gave; None: there was no state): then the new state and its token
-        when the wait brought them along (etcd's watch events do), else True; False after
-        about ``timeout`` seconds of ``clock``. Stores that notify (etcd) wake at the
-        change; this default reads the state every ``STATE_POLL_S``. Never raises for an
+        when the wait brought them along, else True; False after about ``timeout`` seconds
+        of ``clock``. Stores that notify wake at the change (etcd: a watch of the head,
+        which never brings the state); this default reads the state every
+        ``STATE_POLL_S``. Never raises for an
         unreachable store: it returns True and the caller's next read reports it."""
         def changed() -> bool:
             current = self.get_state()
@@ -218,15 +219,15 @@ class StoreBackend(ABC):
 
     def on_state_change(self, callback: Callable[[], None]) -> None:  # noqa: B027
         """Have ``callback`` called, on another thread, after each state write this agent
-        learns of without a request (etcd's watch of the state, the embedded store's write
+        learns of without a request (etcd's watch of the head, the embedded store's write
         feed; a backend and its clones share one), so that the keeper acts on a change when
         it happens, not at its next tick. ``callback`` must return at once. Stores that
         cannot notify never call it (the default). Never raises."""
 
     def state_after(self, version: object | None) -> tuple[bytes, Token] | None:
         """The state as of ``version`` (what ``state_version`` or ``keeper_read`` gave) or
-        newer, and its token; None when there is none. Stores that keep a watch of the
-        state (etcd) answer from it, with no request; this default reads it."""
+        newer, and its token; None when there is none. A store may answer from what it
+        read last (etcd, when that is the version asked for); this default reads it."""
         return self.get_state()
 
     @property

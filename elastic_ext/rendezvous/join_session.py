@@ -4,8 +4,10 @@ A ``JoinSession`` lives for one call and owns what only that call needs (the ope
 it joined by key, its place among the joiners, the joins it last read). It runs
 ``decide`` over the run's state until this node is in a closed round. In an open round
 only its closer decides on every join (``joins.py``); the others join with one key write
-and wait on the state (a watch on etcd), and the earliest of them takes over from a
-closer that leaves the round idle. What outlives a call (the round this node last
+and wait on the state (a watch of its head on etcd), and the earliest of them takes over
+from a closer that leaves the round idle. Where the store keeps heads, every step the head
+and this node's seat can settle is taken on them (``head_path.py``): a round change in a
+few hundred bytes instead of the whole state. What outlives a call (the round this node last
 joined, when each open round reached MIN nodes, ...) is the handler's ``Memory``, handed
 to every session; the handles a session works with are the handler's ``NodeContext``.
 
