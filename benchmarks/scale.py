@@ -904,7 +904,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"- --nnodes=N-{args.kill}:N for every backend; stock c10d with last_call_timeout=1 "
           f"(etcd-ext's default; stock's own is 30); resolver: {resolver}"
           + (f"; etcd-ext --rdzv-conf {args.conf}" if args.conf else
-             "; etcd-ext with its defaults (heartbeat_interval 0.5 s, heartbeat_timeout 3 s)")
+             "; etcd-ext with its defaults (heartbeat_interval 1 s on etcd, 0.5 s embedded; "
+             "heartbeat_timeout 3 s)")
           + (f"; etcd pinned to CPU {args.etcd_core}, the agents to the others"
              if args.etcd_core is not None else ""))
     print("- round 1: start barrier -> every agent has its rank (handler built + "

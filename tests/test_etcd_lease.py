@@ -12,8 +12,8 @@ def test_the_ttl_finds_a_frozen_node_within_the_timeout_or_only_tidies_up() -> N
     assert lease_ttl(3.0, is_heartbeat=True) == 2  # expired by 2.5 s at the latest
     assert lease_ttl(5.0, is_heartbeat=True) == 4
     assert lease_ttl(1.0, is_heartbeat=True) == 2  # etcd's minimum
-    assert lease_ttl(3.0, is_heartbeat=False) == 12
-    assert lease_ttl(1.0, is_heartbeat=False) == 10
+    assert lease_ttl(3.0, is_heartbeat=False) == 30
+    assert lease_ttl(6.0, is_heartbeat=False) == 60
 
 
 def failing(times: int, message: str, calls: list[int | None], lease: AgentLease):

@@ -98,8 +98,8 @@ def test_an_idle_leased_keeper_asks_etcd_for_nothing_but_keep_alives(etcd) -> No
         metrics = etcd.members[0].client_url
         agent.keeper_read("me", 4343, ["n1"])  # opens its watches, on their own threads:
         # the first read returns once the keys are read, before etcd has both watches
-        wait_until(lambda: received_requests(metrics)["Watch"] >= 2, 10, 0.05,
-                   "the agent's two watches (the state's, the heartbeat's) at etcd")
+        wait_until(lambda: received_requests(metrics)["Watch"] >= 3, 10, 0.05,
+                   "the agent's three watches (the head's, the verdict's, the heartbeat's)")
         before, began = received_requests(metrics), time.monotonic()
         for _ in range(10):  # five seconds of keeper ticks
             assert agent.keeper_read("me", 4343, ["n1"]).beats["n1"] is not None
@@ -108,6 +108,42 @@ def test_an_idle_leased_keeper_asks_etcd_for_nothing_but_keep_alives(etcd) -> No
         assert set(used) <= {"LeaseKeepAlive"}, used
         per_agent = used["LeaseKeepAlive"] / 2 / elapsed  # two agents renew their leases
         assert per_agent <= 1.0 / (2 / 3) + 0.1, used  # one per third of a 2 s TTL
+    finally:
+        agent.close()
+        other.close()
+
+
+@pytest.mark.etcd
+def test_an_idle_keeper_with_written_heartbeats_asks_etcd_one_transaction_a_beat(etcd) -> None:
+    """Issue 27's load target, 1.2 requests per agent per second idle: a written heartbeat
+    was a transaction every 0.5 s that also read the state's version and the verdict, and a
+    lease tidying the key renewed every 4 s (2.25 a second). The version and the verdict
+    now come by watches, an etcd agent beats once a second, and the lease lives 30 s; a
+    verdict written elsewhere still reaches the keeper at once (it wakes on it)."""
+    endpoint = etcd.members[0].endpoint
+    agent, other = EtcdBackend(settings_for(endpoint)), EtcdBackend(settings_for(endpoint))
+    interval = settings_for(endpoint).timeouts.heartbeat_interval
+    woken: list[float] = []
+    try:
+        assert interval == 1.0
+        other.beat("n1", 4242)
+        metrics = etcd.members[0].client_url
+        agent.on_state_change(lambda: woken.append(time.monotonic()))
+        agent.keeper_read("me", 4343, ["n1"])
+        wait_until(lambda: received_requests(metrics)["Watch"] >= 2, 10, 0.05,
+                   "the agent's two watches (the head's, the verdict's) at etcd")
+        before, began = received_requests(metrics), time.monotonic()
+        for _ in range(5):  # five seconds of keeper ticks
+            assert agent.keeper_read("me", 4343, ["n1"]).beats["n1"] is not None
+            time.sleep(interval)
+        used, elapsed = received_requests(metrics) - before, time.monotonic() - began
+        assert set(used) <= {"Txn", "LeaseKeepAlive"} and used["Txn"] == 5, used
+        assert sum(used.values()) / elapsed <= 1.2, used
+        woken.clear()
+        written = time.monotonic()
+        other.write_verdict(b"v")
+        wait_until(lambda: bool(woken), 5, 0.01, "the keeper woken by the verdict")
+        assert woken[0] - written < 1.0 and agent.keeper_read("me", 4343, []).verdict == b"v"
     finally:
         agent.close()
         other.close()

@@ -16,7 +16,8 @@ def test_defaults_use_etcd_with_the_documented_prefix_and_timeouts():
     assert s.store == "etcd" and s.scheme == "http"
     assert s.run_prefix == "/elastic-ext/job1/"
     assert ((s.timeouts.last_call, s.timeouts.heartbeat_interval, s.timeouts.heartbeat)
-            == (1.0, 0.5, 3.0))
+            == (1.0, 1.0, 3.0))
+    assert parse(endpoint="").timeouts.heartbeat_interval == 0.5  # the embedded store
 
 
 def test_empty_endpoint_selects_the_embedded_store_on_the_default_port():

@@ -59,8 +59,7 @@ class EtcdBackend(StoreBackend):
     """The run's keys on an etcd cluster; see :class:`StoreBackend` for the contract."""
 
     FEED_CATCH_UP_S = 0.2
-    """How long ``state_after`` waits for the watch to deliver a revision a read has seen
-    before it reads the state itself."""
+    """How long ``head_after`` waits for the watch to deliver a revision a read has seen."""
 
     def __init__(self, settings: Settings, client: EtcdClient | None = None,
                  lease: AgentLease | None = None, feeds: SharedFeeds | None = None) -> None:
@@ -77,7 +76,6 @@ class EtcdBackend(StoreBackend):
             settings.timeouts.heartbeat)
         self._feeds = feeds or SharedFeeds()  # started when first read; clones share them
         self._owns_feeds = feeds is None
-        self._verdict: tuple[dict[str, bytes | None], bytes | None] | None = None
         self._whole: tuple[bytes, int] | None = None  # the state this backend read last
         self._seated = b""  # the first seat of the last round whose seats it wrote
 
@@ -173,7 +171,13 @@ class EtcdBackend(StoreBackend):
         return change[1] is not None or after is not None
 
     def on_state_change(self, callback: Callable[[], None]) -> None:
+        """Also at each verdict the watcher writes: a death it judged reaches every keeper
+        at once, not at its next beat (``heartbeat_interval``, 1 s on etcd)."""
         self._head_feed().add_listener(callback)
+        self._verdict_feed().add_listener(callback)
+
+    def _verdict_feed(self) -> WatchedKeys:
+        return self._feeds.verdict_feed(self._client, self._prefix + "verdict")
 
     def state_after(self, version: object | None) -> tuple[bytes, Token] | None:
         """The state this backend read last if it is that version, else read anew."""
@@ -258,14 +262,8 @@ class EtcdBackend(StoreBackend):
         return self._leased
 
     def write_verdict(self, verdict: bytes) -> None:
-        """Also moves the writer's heartbeat value (when it has one), in the same
-        transaction: with ``heartbeat=lease`` the others watch only that key, and read the
-        verdict when it moves."""
-        def write() -> None:
-            with self._lease.lock:
-                self._client.txn([op_put(self._prefix + "verdict", verdict),
-                                  *self._lease.beat_ops()])
-        self._lease.retry(write)
+        """One put: every agent watches the verdict (``keeper_read``)."""
+        self._client.put(self._prefix + "verdict", verdict)
 
     def read_verdict(self) -> bytes | None:
         kv = self._client.get(self._prefix + "verdict")
@@ -273,10 +271,12 @@ class EtcdBackend(StoreBackend):
 
     def keeper_read(self, node: str, presence_port: int | None,
                     watched: Sequence[str]) -> KeeperRead:
+        """One transaction: the beat and the watched heartbeats (a range over all of them
+        when many are watched, else one read each); the state's version and the verdict
+        come from this agent's watches of the head and the verdict. With
+        ``heartbeat=lease`` no request at all at most ticks (``_watched_read``)."""
         if self._leased:
             return self._watched_read(node, presence_port, watched)
-        # One transaction: the beat, the state's revision, the verdict and the heartbeats
-        # (a range over all of them when many are watched, else one read each).
         hb = self._hb_prefix
         reads = [op_range(hb, prefix=True)] if len(watched) > 8 else \
             [op_range(hb + n) for n in watched]
@@ -285,24 +285,34 @@ class EtcdBackend(StoreBackend):
             self._lease.ensure(node, presence_port, put_beat=False)
             with self._lease.lock:
                 beat = self._lease.beat_ops()
-            replies = self._client.txn([*beat, op_range(self._state_key, keys_only=True),
-                                        op_range(self._prefix + "verdict"), *reads])
+            replies = self._client.txn([*beat, *reads])
             return replies[len(beat):]
         replies = self._lease.retry(beat_and_read)
-        state_kvs, _ = range_reply(replies[0])
-        verdict_kvs, _ = range_reply(replies[1])
         found = {kv.key.decode()[len(hb):]: kv.value
-                 for reply in replies[2:] for kv in range_reply(reply)[0]}
-        return KeeperRead(state_kvs[0].mod_revision if state_kvs else None,
-                          {n: found.get(n) for n in watched},
-                          verdict_kvs[0].value if verdict_kvs else None)
+                 for reply in replies for kv in range_reply(reply)[0]}
+        version, verdict = self._watched()
+        return KeeperRead(version, {n: found.get(n) for n in watched}, verdict)
+
+    def _watched(self) -> tuple[int | None, bytes | None]:
+        """The state's version (from the watch of its head: they move in one transaction)
+        and the verdict, from their watches: no request.
+
+        Raises:
+            StoreUnavailableError: they are not being watched (etcd unreachable).
+        """
+        timeout = self._settings.timeouts.connect
+        head = self._head_feed().wait_past(None, timeout)
+        if head is None:
+            raise StoreUnavailableError(f"no read of the run's state within {timeout:g}s")
+        verdict = self._verdict_feed().current(timeout).get((self._prefix + "verdict").encode())
+        return (head[0] if head[1] is not None else None,
+                None if verdict is None else verdict.value)
 
     def _watched_read(self, node: str, presence_port: int | None,
                       watched: Sequence[str]) -> KeeperRead:
         """``heartbeat=lease``: no request at most ticks (the lease renews itself): the
-        state's version from the state watch, the heartbeats from a watch of the one key
-        watched (of all of them when more are), and the verdict read again only when a
-        watched heartbeat value moved (the watcher moves its own when it publishes)."""
+        state's version, the verdict and the heartbeats from watches (of the one key
+        watched, or of all of them when more are)."""
         self._lease.retry(lambda: self._lease.ensure(node, presence_port, put_beat=True))
         timeout = self._settings.timeouts.connect
         one = len(watched) == 1
@@ -314,12 +324,8 @@ class EtcdBackend(StoreBackend):
             keys = feed.current(timeout)
             beats = {n: kv.value if (kv := keys.get((self._hb_prefix + n).encode())) else None
                      for n in watched}
-        state = self._head_feed().wait_past(None, timeout)
-        if state is None:
-            raise StoreUnavailableError(f"no read of the run's state within {timeout:g}s")
-        if self._verdict is None or self._verdict[0] != beats:
-            self._verdict = (beats, self.read_verdict())
-        return KeeperRead(state[0] if state[1] is not None else None, beats, self._verdict[1])
+        version, verdict = self._watched()
+        return KeeperRead(version, beats, verdict)
 
     def beat(self, node: str, presence_port: int | None = None) -> None:
         def put() -> None:

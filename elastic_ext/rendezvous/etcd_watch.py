@@ -1,8 +1,9 @@
 """The run's keys as etcd's watches deliver them: reading them costs no request.
 
-One stream per watch, through the gateway (``EtcdClient.watch``); each agent holds two, the
-run's head (which moves with its state) and the heartbeat keys its keeper watches, and the
-closer of an open round a third, of the round's join keys (``etcd_backend``).
+One stream per watch, through the gateway (``EtcdClient.watch``); each agent holds the
+run's head (which moves with its state) and the watcher's verdict, the heartbeat keys its
+keeper watches with ``heartbeat=lease``, and the closer of an open round one of the round's
+join keys (``etcd_backend``).
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ class SharedFeeds:
     head: WatchedKeys | None = None  # the state's head (``head.py``), which moves with it
     beats: WatchedKeys | None = None
     joins: WatchedKeys | None = None  # the join keys of the open round this agent closes
+    verdict: WatchedKeys | None = None  # the watcher's verdict (``keeper``)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def head_feed(self, client: EtcdClient, key: str) -> WatchedKeys:
@@ -132,6 +134,12 @@ class SharedFeeds:
             if self.head is None:
                 self.head = WatchedKeys(client, key)
             return self.head
+
+    def verdict_feed(self, client: EtcdClient, key: str) -> WatchedKeys:
+        with self.lock:
+            if self.verdict is None:
+                self.verdict = WatchedKeys(client, key)
+            return self.verdict
 
     def beats_feed(self, client: EtcdClient, key: str, prefix: bool) -> WatchedKeys:
         """The watch of ``key`` (or every key under it), replacing a watch of other keys."""
@@ -153,10 +161,10 @@ class SharedFeeds:
 
     def close(self) -> None:
         with self.lock:
-            for feed in (self.head, self.beats, self.joins):
+            for feed in (self.head, self.beats, self.joins, self.verdict):
                 if feed is not None:
                     feed.close()
-            self.head = self.beats = self.joins = None
+            self.head = self.beats = self.joins = self.verdict = None
 
 
 def _replaced(feed: WatchedKeys | None, client: EtcdClient, key: str, prefix: bool

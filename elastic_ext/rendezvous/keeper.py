@@ -369,7 +369,7 @@ class Keeper:
 
     def check_worker_report(self) -> None:
         """Act on a worker's peer-fault report now rather than at the next tick: the agent
-        polls ``num_nodes_waiting`` every tenth of a second, the keeper ticks every half."""
+        polls ``num_nodes_waiting`` every tenth of a second, the keeper ticks every second."""
         with self._lock:
             if self._round is None or self._pressure.count:
                 return

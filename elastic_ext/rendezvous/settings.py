@@ -19,6 +19,10 @@ from elastic_ext.rendezvous.errors import ConfigError
 DEFAULT_ETCD_PORT = 2379
 DEFAULT_C10D_PORT = 29400
 DEFAULT_PASSWORD_ENV = "ELASTIC_EXT_ETCD_PASSWORD"
+DEFAULT_INTERVAL_S = {"etcd": 1.0, "c10d": 0.5}
+"""``heartbeat_interval`` by store: an etcd agent beats once a second (a request each, the
+idle load of a job: issue 27), and learns of a death from a watch of the verdict, not at its
+next beat; the embedded store has no watches, so its agents beat and look twice as often."""
 
 # key -> (default, meaning). The README table is generated from the same text.
 CONF_KEYS: dict[str, tuple[str, str]] = {
@@ -30,7 +34,10 @@ CONF_KEYS: dict[str, tuple[str, str]] = {
     "last_call_timeout": ("1.0", "seconds a round with at least MIN nodes waits for live members "
                                  "that have not rejoined yet; it closes at once when all have"),
     "close_timeout": ("10", "seconds `shutdown` and `set_closed` keep trying to reach the store"),
-    "heartbeat_interval": ("0.5", "seconds between an agent's heartbeats"),
+    "heartbeat_interval": ("1.0 on etcd, 0.5 embedded",
+                           "seconds between an agent's heartbeats (on etcd a watch of the "
+                           "watcher's verdict tells every agent of a death at once; the "
+                           "embedded store's agents read it at their next heartbeat)"),
     "heartbeat_timeout": ("3.0", "a node whose heartbeat has not changed for this long is dead"),
     "heartbeat": ("write", "`write`: each agent writes its heartbeat every interval; `lease` "
                            "(etcd only): it renews an etcd lease instead and the others watch "
@@ -295,8 +302,8 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
         join=_number("join_timeout", join, minimum=1),
         last_call=_number("last_call_timeout", conf.get("last_call_timeout", 1.0), minimum=0),
         close=_number("close_timeout", conf.get("close_timeout", 10), minimum=0.1),
-        heartbeat_interval=_number("heartbeat_interval", conf.get("heartbeat_interval", 0.5),
-                                   minimum=0.05),
+        heartbeat_interval=_number("heartbeat_interval", conf.get(
+            "heartbeat_interval", DEFAULT_INTERVAL_S[store]), minimum=0.05),
         heartbeat=_number("heartbeat_timeout", conf.get("heartbeat_timeout", 3.0), minimum=0.2),
         request=_number("request_timeout", conf.get("request_timeout", 2.0), minimum=0.05),
         connect=_number("connect_timeout", conf.get("connect_timeout", 15), minimum=0.1),

@@ -1,5 +1,6 @@
 """A node that only beats, as an etcd-ext agent's keeper does: its heartbeat in etcd every
-half second, with the port it listens on for presence probes. For tests of the watcher.
+``heartbeat_interval`` (the default), with the port it listens on for presence probes. For
+tests of the watcher.
 
     python tests/support/beating_node.py NODE ENDPOINT RUN_ID [HEARTBEAT]
 
@@ -15,8 +16,6 @@ from elastic_ext.rendezvous.etcd_backend import EtcdBackend
 from elastic_ext.rendezvous.presence import PresenceListener
 from elastic_ext.rendezvous.settings import parse_settings
 
-INTERVAL_S = 0.5  # the default heartbeat_interval
-
 
 def main() -> None:
     node, endpoint, run_id = sys.argv[1:4]
@@ -31,7 +30,7 @@ def main() -> None:
         except Exception as exc:  # dropped off the network: the watcher sees silence
             print(f"{node}: {exc}", file=sys.stderr, flush=True)
         listener.drain()
-        time.sleep(INTERVAL_S)  # the beat's own period, not a wait for anything
+        time.sleep(settings.timeouts.heartbeat_interval)  # the beat's period, not a wait
 
 
 if __name__ == "__main__":
