@@ -126,10 +126,10 @@ class CountingBackend(MemoryBackend):
         self.counts = counts
 
     def keeper_read(self, node: str, presence_port: int | None,
-                    watched: Sequence[str]) -> KeeperRead:
+                    watched: Sequence[str], due: bool = True) -> KeeperRead:
         self.counts["keeper_reads"] += 1
         self.counts["beats_read"] += len(watched)
-        return super().keeper_read(node, presence_port, watched)
+        return super().keeper_read(node, presence_port, watched, due)
 
     def get_state(self) -> tuple[bytes, object] | None:
         self.counts["state_reads"] += 1

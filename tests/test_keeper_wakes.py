@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from elastic_ext.control import AgentControl
 from elastic_ext.local.processes import wait_until
+from elastic_ext.rendezvous.backend import KeeperRead
 from elastic_ext.rendezvous.events import EventLog
 from elastic_ext.rendezvous.keeper import Keeper
 from elastic_ext.rendezvous.policy import Limits
@@ -38,5 +41,42 @@ def test_a_newer_round_written_elsewhere_makes_the_keeper_leave_within_a_fractio
         other.set_state(opened.to_bytes(), written[1])
         wait_until(lambda: keeper.pressure.count, 1.0, 0.01, "the keeper to see round 2")
         assert "round 2" in keeper.pressure.why
+    finally:
+        keeper.stop()
+
+
+class DueRecordingBackend(MemoryBackend):
+    """Records whether each keeper tick was due or woken early."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        super().__init__(store)
+        self.ticks: list[tuple[float, bool]] = []
+
+    def keeper_read(self, node: str, presence_port: int | None, watched: Sequence[str],
+                    due: bool = True) -> KeeperRead:
+        self.ticks.append((time.monotonic(), due))
+        return super().keeper_read(node, presence_port, watched, due)
+
+
+def test_a_woken_tick_is_not_due_and_does_not_move_the_next_beat(tmp_path: Path) -> None:
+    """Every state write and verdict wakes every keeper: at 1,024 agents a request each was
+    1,024 per write (issue 27). A woken tick tells the store it is not due (etcd then asks
+    nothing), and the beats keep their period: a wake does not put off the next one."""
+    store = MemoryStore()
+    backend = DueRecordingBackend(store)
+    keeper = Keeper(backend, "me", interval=1.0, timeout=30.0,
+                    limits=Limits(1, 2, 1.0, None), control=AgentControl(tmp_path / "ctl"),
+                    events=EventLog("run1", "me", "127.0.0.1", None))
+    keeper.start()
+    try:
+        wait_until(lambda: len(backend.ticks) >= 1, 5.0, 0.01, "the first tick")
+        first = backend.ticks[0][0]
+        time.sleep(0.3)  # the point: a write between two beats
+        MemoryBackend(store).set_state(
+            RunState(generation="g", round=1, phase=Phase.OPEN, members={}).to_bytes())
+        wait_until(lambda: len(backend.ticks) >= 3, 5.0, 0.01, "the woken tick and the next")
+        (_, due1), (woken_at, due2), (next_at, due3) = backend.ticks[:3]
+        assert (due1, due2, due3) == (True, False, True)
+        assert woken_at - first < 0.8 and 0.9 < next_at - first < 1.5, backend.ticks
     finally:
         keeper.stop()

@@ -139,6 +139,10 @@ def test_an_idle_keeper_with_written_heartbeats_asks_etcd_one_transaction_a_beat
         used, elapsed = received_requests(metrics) - before, time.monotonic() - began
         assert set(used) <= {"Txn", "LeaseKeepAlive"} and used["Txn"] == 5, used
         assert sum(used.values()) / elapsed <= 1.2, used
+        before = received_requests(metrics)
+        for _ in range(3):  # ticks woken by state writes and verdicts: no request
+            assert agent.keeper_read("me", 4343, ["n1"], due=False).beats["n1"] is not None
+        assert not received_requests(metrics) - before
         woken.clear()
         written = time.monotonic()
         other.write_verdict(b"v")

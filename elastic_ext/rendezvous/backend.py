@@ -319,11 +319,15 @@ class StoreBackend(ABC):
         """The last verdict written, or None."""
 
     def keeper_read(self, node: str, presence_port: int | None,
-                    watched: Sequence[str]) -> KeeperRead:
+                    watched: Sequence[str], due: bool = True) -> KeeperRead:
         """One keeper tick's store work: ``beat``, then read ``state_version``, the
-        heartbeats of ``watched`` and the verdict. Stores that can do better override it
-        (etcd: a lease keep-alive every third of its TTL, the rest from watches, so that
-        a write made moments before shows once the watch delivered it: milliseconds)."""
+        heartbeats of ``watched`` and the verdict. ``due``: False for a tick woken before
+        its time (a state change, a verdict), which a store may answer without a request.
+        Stores that can do better override it (etcd: the version and the verdict from
+        watches, so that a write made moments before shows once the watch delivered it,
+        milliseconds; a tick not due reuses the heartbeats last read and beats at the next;
+        with ``heartbeat=lease`` a keep-alive every third of its TTL and the heartbeats from
+        a watch too)."""
         self.beat(node, presence_port)
         return KeeperRead(self.state_version(), self.read_beats(watched), self.read_verdict())
 

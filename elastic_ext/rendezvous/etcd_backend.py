@@ -1,16 +1,13 @@
 """The run's state on etcd through the v3 API.
 
-Layout under ``<key_prefix>/<run_id>/``: ``state`` (the JSON state, written by
-compare-and-swap on ``mod_revision``, create-if-absent the first time), ``head`` (what
-most agents read of it, in the same transaction: ``head.py``), ``seat/<generation>/
-<round>/<node>`` (each node's place in a closed round, written before it closes), ``hb/<node>``
-(heartbeats, on each agent's lease so they expire: ``etcd_lease``), ``join/<generation>/
-<round>/<node>`` (join keys, ordered by their create revision), ``verdict`` and
-``store/<generation>/<round>/`` (the round's c10d store for torch's agent). Waiting for
-the state is a watch of its head (``etcd_watch``): the head changes with the state, in a
-few hundred bytes where the state is 29 KB at 1,024 nodes. A keeper's tick is one
-transaction, or with ``heartbeat=lease`` no request at all: the lease renews itself and
-the heartbeats come by a watch.
+Layout under ``<key_prefix>/<run_id>/``: ``state`` (written by compare-and-swap on
+``mod_revision``), ``head`` (what most agents read of it, in the same transaction:
+``head.py``), ``seat/<generation>/<round>/<node>`` (written before a round closes),
+``hb/<node>`` (heartbeats, on the agent's lease: ``etcd_lease``), ``join/<generation>/
+<round>/<node>``, ``verdict`` and ``store/<generation>/<round>/`` (torch's round store).
+Waits are watches (``etcd_watch``): of the head (a few hundred bytes where the state is
+29 KB at 1,024 nodes) and of the verdict. A keeper's tick is one transaction, none when
+woken early, or with ``heartbeat=lease`` none at all: the lease renews itself.
 """
 
 from __future__ import annotations
@@ -78,6 +75,7 @@ class EtcdBackend(StoreBackend):
         self._owns_feeds = feeds is None
         self._whole: tuple[bytes, int] | None = None  # the state this backend read last
         self._seated = b""  # the first seat of the last round whose seats it wrote
+        self._beats_read: dict[str, bytes | None] | None = None  # by the last keeper_read
 
     @property
     def name(self) -> str:
@@ -270,13 +268,17 @@ class EtcdBackend(StoreBackend):
         return None if kv is None else kv.value
 
     def keeper_read(self, node: str, presence_port: int | None,
-                    watched: Sequence[str]) -> KeeperRead:
-        """One transaction: the beat and the watched heartbeats (a range over all of them
-        when many are watched, else one read each); the state's version and the verdict
-        come from this agent's watches of the head and the verdict. With
-        ``heartbeat=lease`` no request at all at most ticks (``_watched_read``)."""
+                    watched: Sequence[str], due: bool = True) -> KeeperRead:
+        """One transaction: the beat and the watched heartbeats (one range over all when
+        many are watched); the version and the verdict by watches. A tick not ``due`` (every
+        keeper woken by a state write or a verdict) sends nothing, reusing the heartbeats
+        last read. With ``heartbeat=lease`` no request at most ticks (``_watched_read``)."""
         if self._leased:
             return self._watched_read(node, presence_port, watched)
+        last = self._beats_read
+        if not due and last is not None and set(watched) <= last.keys():
+            version, verdict = self._watched()
+            return KeeperRead(version, {n: last[n] for n in watched}, verdict)
         hb = self._hb_prefix
         reads = [op_range(hb, prefix=True)] if len(watched) > 8 else \
             [op_range(hb + n) for n in watched]
@@ -291,15 +293,12 @@ class EtcdBackend(StoreBackend):
         found = {kv.key.decode()[len(hb):]: kv.value
                  for reply in replies for kv in range_reply(reply)[0]}
         version, verdict = self._watched()
-        return KeeperRead(version, {n: found.get(n) for n in watched}, verdict)
+        self._beats_read = {n: found.get(n) for n in watched}
+        return KeeperRead(version, dict(self._beats_read), verdict)
 
     def _watched(self) -> tuple[int | None, bytes | None]:
-        """The state's version (from the watch of its head: they move in one transaction)
-        and the verdict, from their watches: no request.
-
-        Raises:
-            StoreUnavailableError: they are not being watched (etcd unreachable).
-        """
+        """The state's version (its head's: one transaction writes both) and the verdict,
+        from their watches; StoreUnavailableError while they are not watched."""
         timeout = self._settings.timeouts.connect
         head = self._head_feed().wait_past(None, timeout)
         if head is None:

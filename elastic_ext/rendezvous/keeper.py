@@ -198,13 +198,18 @@ class Keeper:
         self._presence.close()
 
     def _run(self) -> None:
+        """A tick every ``interval``, and one whenever woken in between, which neither
+        moves the next nor beats (``StoreBackend.keeper_read``'s ``due``)."""
+        due_at = self._clock.monotonic()
         while not self._stop.is_set():
-            started = self._clock.monotonic()
-            self.tick()
-            self._wake.wait(max(0.0, self._interval - (self._clock.monotonic() - started)))
+            due = self._clock.monotonic() >= due_at
+            if due:
+                due_at = self._clock.monotonic() + self._interval
+            self.tick(due)
+            self._wake.wait(max(0.0, due_at - self._clock.monotonic()))
             self._wake.clear()
 
-    def tick(self) -> None:
+    def tick(self, due: bool = True) -> None:
         with self._lock:
             watched = self._round
             also = self._also_watched
@@ -219,7 +224,7 @@ class Keeper:
                 self._nodes = ((state, also), frozenset((known | also) - {self._node}))
             nodes = self._nodes[1]
             observed = sorted(nodes) if judging else [watcher] if watcher else []
-            read = self._backend.keeper_read(self._node, self._presence.port, observed)
+            read = self._backend.keeper_read(self._node, self._presence.port, observed, due)
             fresh = view.refresh(read.state_version)
             head, token = view.head, view.token
             # The whole state only for a node that judges everyone (it names them), now or

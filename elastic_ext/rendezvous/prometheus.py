@@ -252,9 +252,9 @@ class MeasuredBackend(StoreBackend):
             return self._inner.read_verdict()
 
     def keeper_read(self, node: str, presence_port: int | None,
-                    watched: Sequence[str]) -> KeeperRead:
+                    watched: Sequence[str], due: bool = True) -> KeeperRead:
         with self._metrics.request("keeper_read"):
-            return self._inner.keeper_read(node, presence_port, watched)
+            return self._inner.keeper_read(node, presence_port, watched, due)
 
     def beat(self, node: str, presence_port: int | None = None) -> None:
         with self._metrics.request("beat"):
