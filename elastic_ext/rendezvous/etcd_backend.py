@@ -296,13 +296,13 @@ class EtcdBackend(StoreBackend):
         return KeeperRead(version, dict(self._beats_read), verdict)
 
     def _watched(self) -> tuple[object | None, bytes | None]:
-        """The state's version (its head's) and the verdict from their watches, or read
-        while a watch is not current: a tick waiting on a watch held keepers past their
-        heartbeat timeout (1,024 agents, a loaded etcd)."""
+        """The state's version (its head's) and the verdict as their watches last had
+        them, read only before a watch's first read: a tick waiting on a watch opened anew
+        held keepers past their heartbeat timeout (1,024 agents, a loaded etcd)."""
         head = self._head_feed().wait_past(None, 0.0)
         version = self.state_version() if head is None else \
             head[0] if head[1] is not None else None
-        keys = self._verdict_feed().keys_now()
+        keys = self._verdict_feed().keys_known()
         if keys is None:
             return version, self.read_verdict()
         verdict = keys.get((self._prefix + "verdict").encode())

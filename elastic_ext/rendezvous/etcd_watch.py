@@ -100,6 +100,12 @@ class WatchedKeys:
                                             f"{timeout:g}s")
             return dict(self._keys)
 
+    def keys_known(self) -> dict[bytes, KeyValue] | None:
+        """The keys as last read or delivered, current or not (a watch opened anew after a
+        break is a moment behind); None before the first read."""
+        with self._changed:
+            return dict(self._keys) if self._latest is not None else None
+
     def keys_now(self) -> dict[bytes, KeyValue] | None:
         """The keys as the watch has them, or None while they are not being watched."""
         with self._changed:
