@@ -64,19 +64,22 @@ def test_a_woken_tick_is_not_due_and_does_not_move_the_next_beat(tmp_path: Path)
     nothing), and the beats keep their period: a wake does not put off the next one."""
     store = MemoryStore()
     backend = DueRecordingBackend(store)
-    keeper = Keeper(backend, "me", interval=1.0, timeout=30.0,
+    interval = 3.0
+    keeper = Keeper(backend, "me", interval=interval, timeout=30.0,
                     limits=Limits(1, 2, 1.0, None), control=AgentControl(tmp_path / "ctl"),
                     events=EventLog("run1", "me", "127.0.0.1", None))
     keeper.start()
     try:
         wait_until(lambda: len(backend.ticks) >= 1, 5.0, 0.01, "the first tick")
         first = backend.ticks[0][0]
-        time.sleep(0.3)  # the point: a write between two beats
+        time.sleep(1.0)  # the point: a write a third of the way to the next beat
         MemoryBackend(store).set_state(
             RunState(generation="g", round=1, phase=Phase.OPEN, members={}).to_bytes())
-        wait_until(lambda: len(backend.ticks) >= 3, 5.0, 0.01, "the woken tick and the next")
+        wait_until(lambda: len(backend.ticks) >= 3, 10.0, 0.01, "the woken tick and the next")
         (_, due1), (woken_at, due2), (next_at, due3) = backend.ticks[:3]
         assert (due1, due2, due3) == (True, False, True)
-        assert woken_at - first < 0.8 and 0.9 < next_at - first < 1.5, backend.ticks
+        # the next beat comes an interval after the first, not after the woken tick
+        assert next_at - first >= interval - 0.05 and next_at - woken_at < interval - 0.4, \
+            backend.ticks
     finally:
         keeper.stop()
