@@ -16,8 +16,8 @@ from types import FrameType
 
 from elastic_ext.local.etcd import EtcdMember, start_cluster
 from elastic_ext.local.processes import ProcessSet
-from elastic_ext.rendezvous.etcd_client import EtcdClient
 from elastic_ext.rendezvous.settings import parse_settings
+from elastic_ext.rendezvous.stores.etcd.client import EtcdClient
 
 
 def cpu_model() -> str:

@@ -26,7 +26,7 @@ temporary data dir), of
                every third of it) for ``--idle`` s. gateway: ``AgentLease`` +
                ``WatchedKeys``; aetcd: a keep-alive task on a held stream +
                ``Client.watch``. All clients' processes idle at the same time
-  import       CPU seconds of ``import elastic_ext.rendezvous.etcd_client`` against
+  import       CPU seconds of ``import elastic_ext.rendezvous.stores.etcd.client`` against
                ``import aetcd`` in a fresh interpreter, and after
                ``torch.distributed.elastic.rendezvous`` (which torchrun's agent has
                imported, and which ``etcd_client`` imports through ``errors``): every
@@ -85,7 +85,7 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _PR_SET_PDEATHSIG = 1
 HEARTBEAT_TIMEOUT_S = 3.0  # etcd-ext's default heartbeat_timeout: the idle lease's TTL
 REPLY_TIMEOUT_S = 120.0
-IMPORTS = {"gateway": "elastic_ext.rendezvous.etcd_client", "aetcd": "aetcd"}
+IMPORTS = {"gateway": "elastic_ext.rendezvous.stores.etcd.client", "aetcd": "aetcd"}
 AGENT_PRELOAD = "torch.distributed.elastic.rendezvous"  # what torchrun's agent has imported
 IMPORT_CASES = {"fresh": None, "agent": AGENT_PRELOAD}
 
@@ -166,8 +166,8 @@ class GatewayAgent:
     """Our client: ``EtcdClient`` (http.client per thread), ``AgentLease``, ``WatchedKeys``."""
 
     def __init__(self, endpoint: str) -> None:
-        from elastic_ext.rendezvous.etcd_client import EtcdClient
         from elastic_ext.rendezvous.settings import parse_settings
+        from elastic_ext.rendezvous.stores.etcd.client import EtcdClient
 
         self.client = EtcdClient(parse_settings(endpoint=endpoint, run_id="bench", min_nodes=1,
                                                 max_nodes=1, conf={}))
@@ -188,7 +188,7 @@ class GatewayAgent:
         self.client.put(key, value)
 
     def watch_open(self, key: str, on_event: Callable[[int], None]) -> None:
-        from elastic_ext.rendezvous.etcd_watch import WatchedKeys
+        from elastic_ext.rendezvous.stores.etcd.watch import WatchedKeys
 
         feed = WatchedKeys(self.client, key)
 
@@ -207,8 +207,8 @@ class GatewayAgent:
         self._feed.close()
 
     def hold_open(self, key: str) -> None:
-        from elastic_ext.rendezvous.etcd_lease import AgentLease, lease_ttl
-        from elastic_ext.rendezvous.etcd_watch import WatchedKeys
+        from elastic_ext.rendezvous.stores.etcd.lease import AgentLease, lease_ttl
+        from elastic_ext.rendezvous.stores.etcd.watch import WatchedKeys
 
         lease = AgentLease(self.client, key + "/hb/",
                            lease_ttl(HEARTBEAT_TIMEOUT_S, is_heartbeat=True),
@@ -333,7 +333,7 @@ class AetcdAgent:
         self.run(self._close_watch(self._watch, self._pump))
 
     async def _hold_open(self, key: str) -> list[Any]:
-        from elastic_ext.rendezvous.etcd_lease import lease_ttl
+        from elastic_ext.rendezvous.stores.etcd.lease import lease_ttl
 
         ttl = lease_ttl(HEARTBEAT_TIMEOUT_S, is_heartbeat=True)
         lease = await self.client.lease(ttl)

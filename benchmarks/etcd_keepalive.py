@@ -36,7 +36,7 @@ from pathlib import Path
 
 from common import cell, cpu_model, private_etcd
 
-from elastic_ext.rendezvous.etcd_client import EtcdClient
+from elastic_ext.rendezvous.stores.etcd.client import EtcdClient
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 KEEPALIVE_METHOD = "/etcdserverpb.Lease/LeaseKeepAlive"

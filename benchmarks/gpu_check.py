@@ -515,7 +515,7 @@ def same_bits(a: Any, b: Any, where: str, devices: bool = True) -> int:
 def inner_keep_restore(device_name: str, size_name: str, workdir: Path) -> dict[str, Any]:
     import torch
 
-    from elastic_ext.snapshot import LocalCopies, Snapshotter, Source
+    from elastic_ext.worker.snapshot import LocalCopies, Snapshotter, Source
     from trainer.model import MODEL_SIZES, SyntheticTask, build_model
     from trainer.train import train_step
 
@@ -564,7 +564,7 @@ def inner_blocking(device_name: str, size_name: str, workdir: Path,
     until the copies to host memory have landed as well."""
     import torch
 
-    from elastic_ext.snapshot import Snapshotter, load_payload, verify
+    from elastic_ext.worker.snapshot import Snapshotter, load_payload, verify
     from trainer.model import MODEL_SIZES, SyntheticTask, build_model
     from trainer.train import train_step
 

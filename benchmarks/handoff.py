@@ -395,7 +395,7 @@ def handoff_run(kind: str, ranks: int, stock: bool, workdir: Path, *, batch: int
 
 def imported_from(tree: Path) -> str:
     """Where ``elastic_ext`` and ``trainer`` come from for an agent started in ``tree``."""
-    code = ("import elastic_ext, elastic_ext.plugin, trainer; "
+    code = ("import elastic_ext, elastic_ext.agent.plugin, trainer; "
             "print(elastic_ext.__file__); print(trainer.__file__)")
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True,
@@ -646,7 +646,7 @@ def added_work_per_step(calls: int = 200_000) -> float:
     """Seconds per step of the bookkeeping the hand-off adds to a healthy step."""
     import torch
 
-    from elastic_ext.snapshot import HeldStep
+    from elastic_ext.worker.snapshot import HeldStep
     from trainer.data import DataPosition
 
     last = HeldStep(0, DataPosition(), device=torch.device("cpu"))

@@ -56,7 +56,7 @@ from typing import Any
 
 from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.local.job import JobSpec, LocalJob, Node, wait_for_step
-from elastic_ext.rendezvous.events import EventKind
+from elastic_ext.rendezvous.agent.events import EventKind
 
 SCENARIOS = ("dead", "dead-rank0", "hung", "scale-up", "notice", "term-rank0")
 MODES = ("stock", "cold", "warm")

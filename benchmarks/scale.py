@@ -153,13 +153,14 @@ def _worker(spec: dict[str, Any]) -> int:
         rendezvous_handler_registry,
     )
 
-    from elastic_ext.control import AgentControl
-    from elastic_ext.rendezvous.factory import open_backend, settings_from_params
-    from elastic_ext.rendezvous.handler import EtcdExtRendezvousHandler
+    from elastic_ext.agent.control import AgentControl
+    from elastic_ext.agent.setup import settings_from_params
+    from elastic_ext.rendezvous.agent.handler import EtcdExtRendezvousHandler
+    from elastic_ext.rendezvous.stores.open import open_backend
 
     backend: str = spec["backend"]
-    warm = {"etcd": "elastic_ext.rendezvous.etcd_backend",
-            "embedded": "elastic_ext.rendezvous.c10d_backend",
+    warm = {"etcd": "elastic_ext.rendezvous.stores.etcd.backend",
+            "embedded": "elastic_ext.rendezvous.stores.c10d.backend",
             "stock": "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend"}[backend]
     try:  # what building a handler imports, so that the timed window holds no imports
         importlib.import_module(warm)

@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from elastic_ext.snapshot import Snapshotter
-from elastic_ext.snapshot.hook import DEFAULT_WRITER_NICE, WRITER_NICE_ENV
+from elastic_ext.worker.snapshot import Snapshotter
+from elastic_ext.worker.snapshot.hook import DEFAULT_WRITER_NICE, WRITER_NICE_ENV
 from trainer.model import MODEL_SIZES, SyntheticTask, build_model
 from trainer.train import train_step
 

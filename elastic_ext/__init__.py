@@ -1,7 +1,7 @@
 """elastic-ext: fault-tolerant rendezvous and state snapshots for torchrun.
 
 ``from elastic_ext import ElasticLoop, LoopSettings`` for your own training loop
-(``elastic_ext.loop``); imported on first use, so the rendezvous plugin that torchrun
+(``elastic_ext.worker.loop``); imported on first use, so the rendezvous plugin that torchrun
 loads does not pay for it.
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_LAZY = {"ElasticLoop": "elastic_ext.loop", "LoopSettings": "elastic_ext.loop"}
+_LAZY = {"ElasticLoop": "elastic_ext.worker.loop", "LoopSettings": "elastic_ext.worker.loop"}
 
 
 def __getattr__(name: str) -> Any:

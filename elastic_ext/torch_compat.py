@@ -31,7 +31,7 @@ BARRIER_CHECK_IN = "torch.distributed.elastic.utils.store._barrier_nonblocking"
 BACKEND_ERROR = "torch._C._distributed_c10d.Backend.get_error"
 
 STOPPED_LINE = ("torchrun stopped by {signal}: its workers got it too (the bundled trainer, and "
-                "loops using elastic_ext.preemption, save a snapshot and exit 0); torchrun "
+                "loops using elastic_ext.worker.preemption, save a snapshot and exit 0); torchrun "
                 "itself exits 1 after a signal, which a plugin cannot change")
 _quiet_exit_installed = False
 _after_signal: Callable[[int], str | None] | None = None

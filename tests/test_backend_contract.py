@@ -21,14 +21,15 @@ from torch.distributed.elastic.rendezvous import RendezvousStateError
 from elastic_ext.local.etcd import sent_bytes
 from elastic_ext.local.processes import wait_until
 from elastic_ext.net import free_port
-from elastic_ext.rendezvous.backend import STATE_KEY, StoreBackend
-from elastic_ext.rendezvous.c10d_backend import C10dBackend
-from elastic_ext.rendezvous.clock import SystemClock
-from elastic_ext.rendezvous.etcd_backend import EtcdBackend
-from elastic_ext.rendezvous.head import Head, Seat
-from elastic_ext.rendezvous.liveness import LEFT
+from elastic_ext.rendezvous.protocol.clock import SystemClock
+from elastic_ext.rendezvous.protocol.head import Head, Seat
+from elastic_ext.rendezvous.protocol.liveness import LEFT
+from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, RunState
 from elastic_ext.rendezvous.settings import Settings
-from elastic_ext.rendezvous.state import NodeInfo, Phase, RunState
+from elastic_ext.rendezvous.stores.c10d.backend import C10dBackend
+from elastic_ext.rendezvous.stores.contract import StoreBackend
+from elastic_ext.rendezvous.stores.etcd.backend import EtcdBackend
+from elastic_ext.rendezvous.stores.wire import STATE_KEY
 from tests.support.memory_backend import MemoryBackend, MemoryStore
 from tests.support.stores import plant_etcd_state, settings_for
 

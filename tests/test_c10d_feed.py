@@ -1,4 +1,4 @@
-"""The embedded store's write count (``elastic_ext.rendezvous.c10d_feed``) on a real
+"""The embedded store's write count (``elastic_ext.rendezvous.stores.c10d.feed``) on a real
 TCPStore in this process: a node waiting on the state sends one wait and no read until a
 write, wakes at the write, and the keys that wake it do not pile up."""
 
@@ -13,15 +13,15 @@ from typing import Any
 import pytest
 from torch.distributed import PrefixStore, TCPStore
 
-from elastic_ext.rendezvous.c10d_backend import C10dBackend, list_keys
-from elastic_ext.rendezvous.c10d_feed import (
+from elastic_ext.rendezvous.protocol.clock import SystemClock
+from elastic_ext.rendezvous.stores.c10d.backend import C10dBackend, list_keys
+from elastic_ext.rendezvous.stores.c10d.feed import (
     CHANGED_KEPT,
     STATE_SEQ,
     WriteFeed,
     announce_write,
     read_count,
 )
-from elastic_ext.rendezvous.clock import SystemClock
 from tests.support.stores import settings_for
 
 pytestmark = pytest.mark.timeout(60)

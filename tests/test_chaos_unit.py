@@ -35,8 +35,8 @@ from elastic_ext.chaos.scenario import Action, ScenarioError, Trigger, parse
 from elastic_ext.jsonlines import JsonLinesTail
 from elastic_ext.local.job import Node
 from elastic_ext.local.processes import Proc
-from elastic_ext.rendezvous.events import EventKind, EventLog
-from elastic_ext.runlog import durable_snapshots, split_segments, step_rate
+from elastic_ext.ops.runlog import durable_snapshots, split_segments, step_rate
+from elastic_ext.rendezvous.agent.events import EventKind, EventLog
 
 pytestmark = pytest.mark.timeout(60)
 

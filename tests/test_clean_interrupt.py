@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ext.control import node_memory_directory
+from elastic_ext.control_channel import node_memory_directory
 from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.local.processes import ProcessSet
 from elastic_ext.net import free_port

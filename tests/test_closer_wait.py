@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ext.control import AgentControl
+from elastic_ext.agent.control import AgentControl
 from elastic_ext.local.etcd import received_requests
 from elastic_ext.local.processes import wait_until
-from elastic_ext.rendezvous.etcd_backend import EtcdBackend
-from elastic_ext.rendezvous.handler import EtcdExtRendezvousHandler
-from elastic_ext.rendezvous.joins import JoinEntry
-from elastic_ext.rendezvous.lifecycle import read_state
-from elastic_ext.rendezvous.state import NodeInfo, Phase
+from elastic_ext.rendezvous.agent.handler import EtcdExtRendezvousHandler
+from elastic_ext.rendezvous.agent.lifecycle import read_state
+from elastic_ext.rendezvous.protocol.joins import JoinEntry
+from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase
+from elastic_ext.rendezvous.stores.etcd.backend import EtcdBackend
 from tests.support.stores import settings_for
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120)]

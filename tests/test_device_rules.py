@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_ext.snapshot import HeldStep, LocalCopies, Snapshotter
-from elastic_ext.snapshot.payload import load_payload, write_payload
-from elastic_ext.snapshot.staging import stage_for_keep
+from elastic_ext.worker.snapshot import HeldStep, LocalCopies, Snapshotter
+from elastic_ext.worker.snapshot.payload import load_payload, write_payload
+from elastic_ext.worker.snapshot.staging import stage_for_keep
 
 
 def payload_bytes(state: Mapping[str, object]) -> bytes:
@@ -206,7 +206,7 @@ def test_the_process_group_on_a_gpu_is_nccl_with_error_handling_set_before_it_ex
 
     import torch.distributed as dist
 
-    from elastic_ext import distributed
+    from elastic_ext.worker import distributed
 
     seen: dict[str, object] = {}
 
@@ -229,7 +229,7 @@ def test_the_process_group_on_a_gpu_is_nccl_with_error_handling_set_before_it_ex
 
 def test_device_choices_that_cannot_work_are_refused_naming_the_fix(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from elastic_ext import distributed
+    from elastic_ext.worker import distributed
 
     assert distributed.choose_device("cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="nccl needs --device cuda"):

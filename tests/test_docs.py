@@ -219,7 +219,7 @@ def test_the_readme_leaves_no_more_than_the_three_measurement_placeholders() -> 
 
 # ----------------------------------------------------------------- elastic-ext's own commands
 def elastic_ext_parsers() -> dict[str, argparse.ArgumentParser]:
-    from elastic_ext.cli import SUBCOMMANDS
+    from elastic_ext.ops.cli import SUBCOMMANDS
 
     parsers = {}
     for name, (module_name, _help) in SUBCOMMANDS.items():
@@ -360,7 +360,7 @@ def run_example(tmp_path: Path, body: str, first_line: str, report: str
     body = body.replace('"/local/run42/snapshots"', "SNAPSHOTS")
     imports, _, loop = body.partition(f"\n{first_line}")
     script = tmp_path / "loop.py"
-    script.write_text(imports + "\nfrom elastic_ext.snapshot import Snapshotter\n"
+    script.write_text(imports + "\nfrom elastic_ext.worker.snapshot import Snapshotter\n"
                       + f"\nSNAPSHOTS = {str(tmp_path / 'snapshots')!r}\n" + LOOP_PIECES
                       + f"\n{first_line}" + loop + report)
     env = {k: v for k, v in os.environ.items()

@@ -5,9 +5,9 @@ from dataclasses import replace
 
 import pytest
 
-from elastic_ext.rendezvous.drain import settled, with_notice
 from elastic_ext.rendezvous.errors import CorruptStateError
-from elastic_ext.rendezvous.policy import (
+from elastic_ext.rendezvous.protocol.drain import settled, with_notice
+from elastic_ext.rendezvous.protocol.policy import (
     Joined,
     Left,
     Limits,
@@ -15,7 +15,7 @@ from elastic_ext.rendezvous.policy import (
     decide,
     restart_pressure,
 )
-from elastic_ext.rendezvous.state import Phase, Reason, RunState
+from elastic_ext.rendezvous.protocol.state import Phase, Reason, RunState
 from tests.test_state import LIMITS, closed_round, run, view
 
 

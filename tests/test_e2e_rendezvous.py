@@ -33,7 +33,7 @@ def test_rendezvous_completes_when_the_etcd_leader_is_killed_meanwhile(processes
     first = [torchrun(processes, f"agent{i}", endpoint=etcd_cluster.endpoints, run_id="lead",
                       nnodes="3:3", script=[str(ALLREDUCE_JOB)]) for i in range(2)]
     # both are inside the rendezvous once their heartbeats exist
-    from elastic_ext.rendezvous.etcd_client import EtcdClient
+    from elastic_ext.rendezvous.stores.etcd.client import EtcdClient
     from tests.support.stores import settings_for
     client = EtcdClient(settings_for(etcd_cluster.endpoints))
     wait_until(lambda: len(client.get_prefix("/elastic-ext/lead/hb/")) == 2, 60, 0.1,

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from elastic_ext.loop.data import DataPosition, next_batch
+from elastic_ext.worker.loop.data import DataPosition, next_batch
 
 JOB = Path(__file__).parent / "support" / "elastic_loop_job.py"
 ROOT = Path(__file__).parent.parent

@@ -14,9 +14,9 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 
 from elastic_ext.net import free_ports
-from elastic_ext.rendezvous.c10d_backend import C10dBackend
 from elastic_ext.rendezvous.errors import ConfigError
 from elastic_ext.rendezvous.settings import Settings, parse_settings
+from elastic_ext.rendezvous.stores.c10d.backend import C10dBackend
 
 
 def settings(endpoint: str, local_addr: str | None = None, **conf: str) -> Settings:

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from elastic_ext.rendezvous.errors import ConfigError, StoreUnavailableError
-from elastic_ext.rendezvous.etcd_client import EtcdClient
+from elastic_ext.rendezvous.stores.etcd.client import EtcdClient
 from tests.support.stores import settings_for
 
 pytestmark = pytest.mark.etcd

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic_ext.rendezvous.errors import StoreUnavailableError
-from elastic_ext.rendezvous.etcd_lease import AgentLease, lease_ttl
+from elastic_ext.rendezvous.stores.etcd.lease import AgentLease, lease_ttl
 
 
 def test_the_ttl_finds_a_frozen_node_within_the_timeout_or_only_tidies_up() -> None:

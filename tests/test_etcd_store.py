@@ -15,8 +15,8 @@ import pytest
 
 from elastic_ext.local.etcd import received_requests
 from elastic_ext.local.processes import wait_until
-from elastic_ext.rendezvous.etcd_client import EtcdClient
-from elastic_ext.rendezvous.etcd_store import EtcdV3Store
+from elastic_ext.rendezvous.stores.etcd.client import EtcdClient
+from elastic_ext.rendezvous.stores.etcd.round_store import EtcdV3Store
 from tests.support.stores import settings_for
 
 pytestmark = pytest.mark.etcd

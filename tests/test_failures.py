@@ -44,7 +44,7 @@ import pytest
 from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.local.job import JobSpec, LocalJob, Node, wait_for_step
 from elastic_ext.local.processes import wait_until
-from elastic_ext.rendezvous.events import EventKind
+from elastic_ext.rendezvous.agent.events import EventKind
 from tests.support.warm_procs import GONE_WITHIN_S, assert_gone_within, assert_warm
 
 pytestmark = pytest.mark.slow

@@ -18,8 +18,19 @@ from torch.distributed import HashStore
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
 
-from elastic_ext.control import (
-    CONTROL_DIR_ENV,
+from elastic_ext.control_channel import CONTROL_DIR_ENV
+from elastic_ext.rendezvous.agent import handler as handler_module
+from elastic_ext.rendezvous.agent.join_session import OLD_ROUND_GRACE_S
+from elastic_ext.rendezvous.agent.presence import PresenceListener
+from elastic_ext.rendezvous.errors import (
+    JobFinishedError,
+    NodeExcludedError,
+    NodeLeftError,
+    RestartBudgetExhaustedError,
+    StoreUnavailableError,
+)
+from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, Reason, Status
+from elastic_ext.worker.control import (
     peer_lost,
     preemption_requested,
     report_done,
@@ -28,17 +39,6 @@ from elastic_ext.control import (
     report_progress,
     report_setup_failure,
 )
-from elastic_ext.rendezvous import handler as handler_module
-from elastic_ext.rendezvous.errors import (
-    JobFinishedError,
-    NodeExcludedError,
-    NodeLeftError,
-    RestartBudgetExhaustedError,
-    StoreUnavailableError,
-)
-from elastic_ext.rendezvous.join_session import OLD_ROUND_GRACE_S
-from elastic_ext.rendezvous.presence import PresenceListener
-from elastic_ext.rendezvous.state import NodeInfo, Phase, Reason, Status
 from tests.support.handler_lab import (
     ME,
     FakeStarter,

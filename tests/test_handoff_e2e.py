@@ -10,7 +10,7 @@ finds the newest snapshot whichever node holds it.
 The whole-job restart after a preemption had a job of its own (three agents and an etcd,
 51 s of the suite); it now follows the three-rank job of killed worker and frozen node,
 which shares its shape and its reference. The deaths and the join compare their batches
-with ``elastic_ext.loop.data.next_batch``, what the trainer records, instead of a 2-rank
+with ``elastic_ext.worker.loop.data.next_batch``, what the trainer records, instead of a 2-rank
 reference run of their own.
 """
 
@@ -23,11 +23,11 @@ from typing import Any
 
 import pytest
 
-from elastic_ext.control import node_memory_directory
+from elastic_ext.control_channel import node_memory_directory
 from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.local.job import JobSpec, LocalJob, Node, wait_for_step
 from elastic_ext.local.processes import ProcessSet, signal_pids, wait_until
-from elastic_ext.loop.data import DataPosition, next_batch
+from elastic_ext.worker.loop.data import DataPosition, next_batch
 from tests.support.trainer_runs import BASE_ARGS, reference
 
 pytestmark = pytest.mark.slow

@@ -13,14 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_ext import control
-from elastic_ext.control import CONTROL_DIR_ENV, AgentControl, remove_abandoned
+from elastic_ext.agent.control import AgentControl
+from elastic_ext.control_channel import CONTROL_DIR_ENV, remove_abandoned
 from elastic_ext.local.processes import wait_until
-from elastic_ext.preemption import GuardSettings, PreemptionGuard
-from elastic_ext.snapshot import LocalCopies, Snapshotter, Source
-from elastic_ext.snapshot.agreement import Copy, Holding, Kind, plan_restore
-from elastic_ext.snapshot.handoff import decode, encode
-from elastic_ext.snapshot.layout import payload_name
+from elastic_ext.worker import control
+from elastic_ext.worker.preemption import GuardSettings, PreemptionGuard
+from elastic_ext.worker.snapshot import LocalCopies, Snapshotter, Source
+from elastic_ext.worker.snapshot.agreement import Copy, Holding, Kind, plan_restore
+from elastic_ext.worker.snapshot.handoff import decode, encode
+from elastic_ext.worker.snapshot.layout import payload_name
 
 SHA = {c: c * 64 for c in "abcdef"}
 
@@ -133,7 +134,7 @@ def test_a_damaged_copy_is_skipped_with_a_warning_naming_it(tmp_path: Path, dama
     disk.close()
     model = torch.nn.Module()
     model.register_buffer("w", torch.zeros(3, 2))
-    with caplog.at_level(logging.WARNING, logger="elastic_ext.snapshot"):
+    with caplog.at_level(logging.WARNING, logger="elastic_ext.worker.snapshot"):
         restored = Snapshotter(tmp_path / "disk", local=copies).restore({"model": model})
     assert restored is not None and (restored.step, restored.source) == (4, Source.DISK)
     assert torch.equal(model.get_buffer("w"), torch.full((3, 2), 4.0))
@@ -306,7 +307,7 @@ def test_a_node_memory_too_small_for_the_state_keeps_nothing_and_says_so(
         small_tmpfs: Path, caplog: pytest.LogCaptureFixture) -> None:
     copies = LocalCopies(small_tmpfs)
     assert copies.write(1, {"w": torch.zeros(100, 100)}) is not None  # 40 KB fits
-    with caplog.at_level(logging.WARNING, logger="elastic_ext.snapshot"):
+    with caplog.at_level(logging.WARNING, logger="elastic_ext.worker.snapshot"):
         assert copies.write(2, {"w": torch.zeros(400, 400)}) is None  # 640 KB does not
     assert f"could not keep the state of step 2 in {small_tmpfs}" in caplog.text
     assert "No space left on device" in caplog.text

@@ -7,11 +7,18 @@ import dataclasses
 
 import pytest
 
+from elastic_ext.rendezvous.agent.run_view import watcher_verdict
 from elastic_ext.rendezvous.errors import CorruptStateError
-from elastic_ext.rendezvous.head import Head, Seat, head_bytes_of, seal_of, seat_of, seats_of
-from elastic_ext.rendezvous.policy import Limits, head_pressure, restart_pressure
-from elastic_ext.rendezvous.run_view import watcher_verdict
-from elastic_ext.rendezvous.state import NodeInfo, Phase, Reason, RunState, Status
+from elastic_ext.rendezvous.protocol.head import (
+    Head,
+    Seat,
+    head_bytes_of,
+    seal_of,
+    seat_of,
+    seats_of,
+)
+from elastic_ext.rendezvous.protocol.policy import Limits, head_pressure, restart_pressure
+from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, Reason, RunState, Status
 
 LIMITS = Limits(min_nodes=1, max_nodes=4, last_call=1.0, max_restarts=3)
 

@@ -13,11 +13,12 @@ from collections.abc import Callable
 import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
-from elastic_ext.control import CONTROL_DIR_ENV, report_peer_failure, report_progress
-from elastic_ext.rendezvous.backend import SEAT_DIR
-from elastic_ext.rendezvous.head import seats_of
-from elastic_ext.rendezvous.joins import JoinEntry
-from elastic_ext.rendezvous.state import NodeInfo, Phase, Reason, RunState
+from elastic_ext.control_channel import CONTROL_DIR_ENV
+from elastic_ext.rendezvous.protocol.head import seats_of
+from elastic_ext.rendezvous.protocol.joins import JoinEntry
+from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, Reason, RunState
+from elastic_ext.rendezvous.stores.wire import SEAT_DIR
+from elastic_ext.worker.control import report_peer_failure, report_progress
 from tests.support.handler_lab import ME, Lab, closed_round
 from tests.support.memory_backend import MemoryBackend
 

@@ -1,4 +1,4 @@
-"""The one hold after a fault that is not the worker's own (``elastic_ext.hold``), which the
+"""The one hold after a fault that is not the worker's own (``elastic_ext.worker.hold``), which the
 bundled trainer's guard and the warm-start launcher's worker both go through."""
 
 from __future__ import annotations
@@ -12,10 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ext import hold
-from elastic_ext.control import CONTROL_DIR_ENV, AgentControl
-from elastic_ext.hold import EXIT_HOLD_TIMEOUT, hold_after_peer_fault, hold_for_agent, is_peer_fault
-from elastic_ext.preemption import GuardSettings, PreemptionGuard
+from elastic_ext.agent.control import AgentControl
+from elastic_ext.control_channel import CONTROL_DIR_ENV
+from elastic_ext.worker import hold
+from elastic_ext.worker.hold import (
+    EXIT_HOLD_TIMEOUT,
+    hold_after_peer_fault,
+    hold_for_agent,
+    is_peer_fault,
+)
+from elastic_ext.worker.preemption import GuardSettings, PreemptionGuard
 
 PEER_FAULT = RuntimeError("[gloo/transport/tcp/pair.cc:537] Connection reset by peer")
 

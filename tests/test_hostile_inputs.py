@@ -16,8 +16,8 @@ import pytest
 from elastic_ext.local.etcd import start_cluster
 from elastic_ext.net import free_port
 from elastic_ext.rendezvous.errors import CorruptStateError, StoreUnavailableError
-from elastic_ext.rendezvous.etcd_backend import EtcdBackend
-from elastic_ext.rendezvous.state import MAX_STATE_BYTES
+from elastic_ext.rendezvous.protocol.state import MAX_STATE_BYTES
+from elastic_ext.rendezvous.stores.etcd.backend import EtcdBackend
 from tests.support.agents import ALLREDUCE_JOB, torchrun
 from tests.support.stores import plant_etcd_state, settings_for
 
@@ -61,7 +61,7 @@ def test_an_oversized_state_value_is_refused_by_the_agent(processes, etcd):
     backend = EtcdBackend(settings)
     plant_etcd_state(settings, b"elastic-ext/1\n" + b" " * (MAX_STATE_BYTES + 10))
     with pytest.raises(CorruptStateError, match="over the"):
-        from elastic_ext.rendezvous.state import RunState
+        from elastic_ext.rendezvous.protocol.state import RunState
         current = backend.get_state()
         assert current is not None
         RunState.from_bytes(current[0])

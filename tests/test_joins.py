@@ -12,22 +12,23 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ext.control import AgentControl
-from elastic_ext.rendezvous.backend import KeeperRead, unwrap_state, wrap_state
+from elastic_ext.agent.control import AgentControl
+from elastic_ext.rendezvous.agent.events import EventLog
+from elastic_ext.rendezvous.agent.handler import EtcdExtRendezvousHandler
+from elastic_ext.rendezvous.agent.keeper import Keeper
 from elastic_ext.rendezvous.errors import CorruptStateError
-from elastic_ext.rendezvous.events import EventLog
-from elastic_ext.rendezvous.handler import EtcdExtRendezvousHandler
-from elastic_ext.rendezvous.joins import (
+from elastic_ext.rendezvous.protocol.joins import (
     JoinEntry,
     closer_of,
     is_own_join,
     removed_members,
     with_joins,
 )
-from elastic_ext.rendezvous.keeper import Keeper
-from elastic_ext.rendezvous.liveness import Verdict
-from elastic_ext.rendezvous.policy import Limits
-from elastic_ext.rendezvous.state import NodeInfo, Phase, RunState, Status
+from elastic_ext.rendezvous.protocol.liveness import Verdict
+from elastic_ext.rendezvous.protocol.policy import Limits
+from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, RunState, Status
+from elastic_ext.rendezvous.stores.contract import KeeperRead
+from elastic_ext.rendezvous.stores.wire import unwrap_state, wrap_state
 from tests.support.memory_backend import MemoryBackend, MemoryStore
 from tests.support.stores import settings_for
 

@@ -6,13 +6,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from elastic_ext.control import AgentControl
+from elastic_ext.agent.control import AgentControl
 from elastic_ext.local.processes import wait_until
-from elastic_ext.rendezvous.backend import KeeperRead
-from elastic_ext.rendezvous.events import EventLog
-from elastic_ext.rendezvous.keeper import Keeper
-from elastic_ext.rendezvous.policy import Limits
-from elastic_ext.rendezvous.state import NodeInfo, Phase, RunState
+from elastic_ext.rendezvous.agent.events import EventLog
+from elastic_ext.rendezvous.agent.keeper import Keeper
+from elastic_ext.rendezvous.protocol.policy import Limits
+from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, RunState
+from elastic_ext.rendezvous.stores.contract import KeeperRead
 from tests.support.memory_backend import MemoryBackend, MemoryStore
 
 INTERVAL_S = 5.0  # a tick this far away would leave the change unseen for seconds

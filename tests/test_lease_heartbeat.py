@@ -19,8 +19,8 @@ import pytest
 
 from elastic_ext.local.etcd import received_requests
 from elastic_ext.local.processes import ProcessSet, wait_until
-from elastic_ext.rendezvous.etcd_backend import EtcdBackend
-from elastic_ext.rendezvous.etcd_client import EtcdClient
+from elastic_ext.rendezvous.stores.etcd.backend import EtcdBackend
+from elastic_ext.rendezvous.stores.etcd.client import EtcdClient
 from tests.support.stores import settings_for
 from tests.support.trainer_runs import env
 
@@ -67,7 +67,7 @@ def with_continue(pid: int) -> None:
 
 @pytest.mark.timeout(180)
 def test_an_etcd_leader_change_expires_no_lease(etcd_cluster, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="elastic_ext.rendezvous.etcd_lease")
+    caplog.set_level(logging.WARNING, logger="elastic_ext.rendezvous.stores.etcd.lease")
     settings = settings_for(etcd_cluster.endpoints, heartbeat="lease", connect_timeout="15")
     agent = EtcdBackend(settings)
     agent.beat("n1", 4242)

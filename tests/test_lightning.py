@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from elastic_ext.loop.data import position_after
+from elastic_ext.worker.loop.data import position_after
 from tests.support.chaos import check_rank0_then_preempt, rank0_then_preempt, run_program
 
 pytestmark = pytest.mark.slow

@@ -1,6 +1,6 @@
 """Heartbeat judgement on the observer's own clock."""
 
-from elastic_ext.rendezvous.liveness import LEFT, Liveness
+from elastic_ext.rendezvous.protocol.liveness import LEFT, Liveness
 
 
 class Clock:

@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ext.control import CONTROL_DIR_ENV, AgentControl, report_notice
+from elastic_ext.agent.control import AgentControl
+from elastic_ext.control_channel import CONTROL_DIR_ENV
 from elastic_ext.local.processes import wait_until
-from elastic_ext.rendezvous.clock import SYSTEM_CLOCK
-from elastic_ext.rendezvous.events import EventLog
-from elastic_ext.rendezvous.notices import NoticeRelay
-from elastic_ext.rendezvous.policy import Limits
+from elastic_ext.rendezvous.agent.events import EventLog
+from elastic_ext.rendezvous.agent.notices import NoticeRelay
+from elastic_ext.rendezvous.protocol.clock import SYSTEM_CLOCK
+from elastic_ext.rendezvous.protocol.policy import Limits
+from elastic_ext.worker.control import report_notice
 from tests.support.memory_backend import MemoryBackend, MemoryStore
 
 OLD_POLL_S = 0.05  # the watch this replaced looked this often

@@ -22,7 +22,7 @@ import pytest
 from elastic_ext.chaos.runner import RunResult
 from elastic_ext.chaos.scenario import parse
 from elastic_ext.jsonlines import read_json_lines
-from elastic_ext.loop.data import position_after
+from elastic_ext.worker.loop.data import position_after
 from tests.support.chaos import explain, run_program, worlds
 
 pytestmark = pytest.mark.slow

@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 
-from elastic_ext import ops
 from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.local.processes import wait_until
 from elastic_ext.net import free_port
+from elastic_ext.ops import status as ops
+from elastic_ext.rendezvous.agent.handler import EtcdExtRendezvousHandler
 from elastic_ext.rendezvous.errors import StoreUnavailableError
-from elastic_ext.rendezvous.etcd_backend import EtcdBackend
-from elastic_ext.rendezvous.factory import open_backend
-from elastic_ext.rendezvous.handler import EtcdExtRendezvousHandler
-from elastic_ext.rendezvous.state import NodeInfo, Phase, RunState
+from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, RunState
+from elastic_ext.rendezvous.stores.etcd.backend import EtcdBackend
+from elastic_ext.rendezvous.stores.open import open_backend
 from tests.support.stores import settings_for
 
 

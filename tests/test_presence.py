@@ -16,13 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ext.control import AgentControl
+from elastic_ext.agent.control import AgentControl
 from elastic_ext.local.processes import wait_until
-from elastic_ext.rendezvous.backend import heartbeat_value, parse_beat, presence_port_of
-from elastic_ext.rendezvous.events import EventLog
-from elastic_ext.rendezvous.keeper import Keeper
-from elastic_ext.rendezvous.policy import Limits
-from elastic_ext.rendezvous.presence import (
+from elastic_ext.rendezvous.agent.events import EventLog
+from elastic_ext.rendezvous.agent.keeper import Keeper
+from elastic_ext.rendezvous.agent.presence import (
     PROBE_TIMEOUT_S,
     STRIKES,
     PresenceListener,
@@ -30,7 +28,9 @@ from elastic_ext.rendezvous.presence import (
     PresenceWatch,
     refuses,
 )
-from elastic_ext.rendezvous.state import NodeInfo, Phase, RunState
+from elastic_ext.rendezvous.protocol.policy import Limits
+from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, RunState
+from elastic_ext.rendezvous.stores.wire import heartbeat_value, parse_beat, presence_port_of
 from tests.support.memory_backend import MemoryBackend, MemoryStore
 
 

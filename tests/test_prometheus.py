@@ -16,10 +16,10 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvou
 from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.local.job import JobSpec, LocalJob, wait_for_step
 from elastic_ext.net import free_port
+from elastic_ext.rendezvous.agent.events import EventKind
+from elastic_ext.rendezvous.agent.handler import EtcdExtRendezvousHandler
+from elastic_ext.rendezvous.agent.prometheus import AgentMetrics, MeasuredBackend
 from elastic_ext.rendezvous.errors import ConfigError, StoreUnavailableError
-from elastic_ext.rendezvous.events import EventKind
-from elastic_ext.rendezvous.handler import EtcdExtRendezvousHandler
-from elastic_ext.rendezvous.prometheus import AgentMetrics, MeasuredBackend
 from tests.support.memory_backend import MemoryBackend, MemoryStore
 
 LOOP_JOB = str(Path(__file__).parent / "support" / "loop_job.py")

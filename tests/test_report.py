@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from elastic_ext import report
-from elastic_ext.cli import main as cli_main
 from elastic_ext.local.processes import ProcessSet
-from elastic_ext.runlog import (
+from elastic_ext.ops import report
+from elastic_ext.ops.cli import main as cli_main
+from elastic_ext.ops.runlog import (
     RESTORE_SOURCES,
     RestoreSource,
     RunLogError,
@@ -290,7 +290,7 @@ def test_a_reader_that_closes_the_pipe_early_gets_no_traceback(tmp_path: Path) -
     read_end, write_end = os.pipe()
     os.close(read_end)  # every write now fails with EPIPE, as after head has read its lines
     try:
-        done = subprocess.run([sys.executable, "-m", "elastic_ext.cli", "report", str(metrics)],
+        done = subprocess.run([sys.executable, "-m", "elastic_ext.ops.cli", "report", str(metrics)],
                               stdout=write_end, stderr=subprocess.PIPE, timeout=30, check=False)
     finally:
         os.close(write_end)

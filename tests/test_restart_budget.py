@@ -16,12 +16,20 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ext.control import AgentControl
+from elastic_ext.agent.control import AgentControl
 from elastic_ext.local.job import JobSpec, LocalJob
-from elastic_ext.rendezvous.events import EventKind
-from elastic_ext.rendezvous.handler import EtcdExtRendezvousHandler
-from elastic_ext.rendezvous.policy import BudgetSpent, Decision, Joined, Limits, View, Write, decide
-from elastic_ext.rendezvous.state import NodeInfo, Phase, Reason, RunState, Status
+from elastic_ext.rendezvous.agent.events import EventKind
+from elastic_ext.rendezvous.agent.handler import EtcdExtRendezvousHandler
+from elastic_ext.rendezvous.protocol.policy import (
+    BudgetSpent,
+    Decision,
+    Joined,
+    Limits,
+    View,
+    Write,
+    decide,
+)
+from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, Reason, RunState, Status
 from tests.support.memory_backend import MemoryBackend, MemoryStore
 from tests.support.stores import settings_for
 

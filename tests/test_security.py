@@ -17,9 +17,9 @@ import requests
 
 from elastic_ext.local.etcd import start_cluster
 from elastic_ext.rendezvous.errors import StoreAuthError
-from elastic_ext.rendezvous.etcd_backend import EtcdBackend
-from elastic_ext.rendezvous.etcd_client import EtcdClient
-from elastic_ext.rendezvous.etcd_wire import prefix_end
+from elastic_ext.rendezvous.stores.etcd.backend import EtcdBackend
+from elastic_ext.rendezvous.stores.etcd.client import EtcdClient
+from elastic_ext.rendezvous.stores.etcd.wire import prefix_end
 from tests.support.agents import ALLREDUCE_JOB, torchrun
 from tests.support.stores import plant_etcd_state, settings_for
 from tests.support.tls import ThrowawayCA

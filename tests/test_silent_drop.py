@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 
+from elastic_ext.agent.control import AgentControl
 from elastic_ext.chaos import netns
-from elastic_ext.control import AgentControl
 from elastic_ext.local.etcd import start_cluster
 from elastic_ext.local.processes import ProcessSet, wait_until
-from elastic_ext.rendezvous.etcd_backend import EtcdBackend
-from elastic_ext.rendezvous.events import EventLog
-from elastic_ext.rendezvous.keeper import Keeper
-from elastic_ext.rendezvous.policy import Limits
+from elastic_ext.rendezvous.agent.events import EventLog
+from elastic_ext.rendezvous.agent.keeper import Keeper
+from elastic_ext.rendezvous.protocol.policy import Limits
+from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, RunState
 from elastic_ext.rendezvous.settings import parse_settings
-from elastic_ext.rendezvous.state import NodeInfo, Phase, RunState
+from elastic_ext.rendezvous.stores.etcd.backend import EtcdBackend
 from tests.support.trainer_runs import env
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(240)]

@@ -16,14 +16,14 @@ import pytest
 import torch
 from torch import nn
 
-from elastic_ext.snapshot import (
+from elastic_ext.worker.snapshot import (
     LocalCopies,
     SnapshotError,
     SnapshotMismatchError,
     Snapshotter,
     SnapshotWriteError,
 )
-from elastic_ext.snapshot.layout import manifest_name, payload_name, tmp_name
+from elastic_ext.worker.snapshot.layout import manifest_name, payload_name, tmp_name
 
 
 def _objects(width: int = 8, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer,
@@ -157,7 +157,7 @@ def test_corrupt_newest_is_skipped_with_a_warning(tmp_path: Path,
     data[len(data) // 2] ^= 0xFF
     payload.write_bytes(bytes(data))
     model, _, _ = _objects()
-    with caplog.at_level(logging.WARNING, logger="elastic_ext.snapshot"):
+    with caplog.at_level(logging.WARNING, logger="elastic_ext.worker.snapshot"):
         restored = Snapshotter(tmp_path).restore({"model": model})
     assert restored is not None and restored.step == 20
     assert _first_weight(model) == 20
@@ -170,7 +170,7 @@ def test_truncated_newest_is_skipped_with_a_warning(tmp_path: Path,
     payload = tmp_path / payload_name(30)
     with open(payload, "r+b") as f:
         f.truncate(payload.stat().st_size // 3)
-    with caplog.at_level(logging.WARNING, logger="elastic_ext.snapshot"):
+    with caplog.at_level(logging.WARNING, logger="elastic_ext.worker.snapshot"):
         restored = Snapshotter(tmp_path).restore({})
     assert restored is not None and restored.step == 20
     assert str(tmp_path / manifest_name(30)) in caplog.text and "truncated" in caplog.text
@@ -181,7 +181,7 @@ def test_garbled_manifest_and_missing_payload_are_skipped(tmp_path: Path,
     _three_snapshots(tmp_path)
     (tmp_path / manifest_name(30)).write_text("{not json")
     (tmp_path / payload_name(20)).unlink()
-    with caplog.at_level(logging.WARNING, logger="elastic_ext.snapshot"):
+    with caplog.at_level(logging.WARNING, logger="elastic_ext.worker.snapshot"):
         restored = Snapshotter(tmp_path).restore({})
     assert restored is not None and restored.step == 10
     assert str(tmp_path / manifest_name(30)) in caplog.text
@@ -278,8 +278,8 @@ def test_a_failed_redo_of_a_step_keeps_the_old_snapshot_of_it(tmp_path: Path) ->
 def test_payload_round_trips_every_kind_of_tensor(tmp_path: Path) -> None:
     from collections import OrderedDict
 
-    from elastic_ext.snapshot import load_payload
-    from elastic_ext.snapshot.payload import write_payload
+    from elastic_ext.worker.snapshot import load_payload
+    from elastic_ext.worker.snapshot.payload import write_payload
 
     tree = {
         "f32": torch.randn(3, 4), "bf16": torch.randn(5).to(torch.bfloat16),

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from elastic_ext.local.processes import ProcessSet, wait_until
-from elastic_ext.snapshot import Snapshotter, newest_valid
+from elastic_ext.worker.snapshot import Snapshotter, newest_valid
 
 WRITER = Path(__file__).parent / "support" / "snapshot_writer.py"
 

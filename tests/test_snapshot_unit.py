@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastic_ext.preemption import GuardSettings, is_peer_fault
-from elastic_ext.snapshot import Manifest
-from elastic_ext.snapshot.hook import shape_mismatches
-from elastic_ext.snapshot.layout import (
+from elastic_ext.worker.preemption import GuardSettings, is_peer_fault
+from elastic_ext.worker.snapshot import Manifest
+from elastic_ext.worker.snapshot.hook import shape_mismatches
+from elastic_ext.worker.snapshot.layout import (
     manifest_name,
     parse_name,
     parse_tmp_name,
     payload_name,
     tmp_name,
 )
-from elastic_ext.snapshot.retention import newest_first, retention_plan, stale_tmp_files
+from elastic_ext.worker.snapshot.retention import newest_first, retention_plan, stale_tmp_files
 
 
 def test_names_round_trip() -> None:

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 from elastic_ext.rendezvous.errors import CorruptStateError
-from elastic_ext.rendezvous.policy import (
+from elastic_ext.rendezvous.protocol.policy import (
     BudgetSpent,
     Closed,
     Excluded,
@@ -20,7 +20,7 @@ from elastic_ext.rendezvous.policy import (
     stalled_rounds,
     unreachable_by_most,
 )
-from elastic_ext.rendezvous.state import NodeInfo, Phase, Reason, RunState, Status
+from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, Reason, RunState, Status
 
 LIMITS = Limits(min_nodes=2, max_nodes=3, last_call=1.0, max_restarts=1)
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from elastic_ext.loop.data import DataPosition, next_batch, position_after, shard
-from elastic_ext.loop.sampler import StepSampler
+from elastic_ext.worker.loop.data import DataPosition, next_batch, position_after, shard
+from elastic_ext.worker.loop.sampler import StepSampler
 
 
 @dataclass

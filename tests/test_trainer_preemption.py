@@ -132,7 +132,7 @@ def test_a_worker_told_by_its_peers_waits_for_its_own_signal(processes: ProcessS
     workers = worker_pids(agent, 3)
     signal_pids([workers[0]], signal.SIGUSR2)
     wait_event(metrics, lambda e: e["event"] == "preempted", 30, agent, "preempted")
-    wait_until(lambda: all(f"[rank {rank}] INFO elastic_ext.preemption: a peer was signalled"
+    wait_until(lambda: all(f"[rank {rank}] INFO elastic_ext.worker.preemption: a peer was signalled"
                            in agent.output() for rank in (1, 2)),
                timeout=10, what="ranks 1 and 2 holding")
     assert not pid_gone(workers[1])  # holding, not exited 0 behind its agent's back
@@ -143,7 +143,8 @@ def test_a_worker_told_by_its_peers_waits_for_its_own_signal(processes: ProcessS
     # torchrun's own verdict: rank 2 failed, no other rank did
     assert re.search(r"rank +: 2 \(local_rank: 2\)", log) and "<NO_OTHER_FAILURES>" in log
     assert log.count("no signal reached this worker within 5s") == 1
-    assert "[rank 2] ERROR elastic_ext.preemption: no signal reached this worker within 5s" in log
+    assert ("[rank 2] ERROR elastic_ext.worker.preemption: no signal reached this worker "
+            "within 5s") in log
     preempted = of(read_json_lines(metrics), "preempted")[0]
     assert preempted["step"] in [e["step"] for e in of(read_json_lines(metrics), "snapshot")]
 

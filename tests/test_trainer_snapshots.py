@@ -9,7 +9,7 @@ import pytest
 
 from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.local.processes import ProcessSet
-from elastic_ext.snapshot.layout import manifest_name, payload_name
+from elastic_ext.worker.snapshot.layout import manifest_name, payload_name
 from tests.conftest import mounted_tmpfs
 from tests.support.trainer_runs import env, finish, of, run_to_end, trainer_cmd
 

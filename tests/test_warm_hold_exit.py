@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_ext.control import CONTROL_DIR_ENV, AgentControl
+from elastic_ext.agent.control import AgentControl
+from elastic_ext.control_channel import CONTROL_DIR_ENV
 from elastic_ext.local.processes import ProcessSet, wait_until
 from elastic_ext.net import free_port
 

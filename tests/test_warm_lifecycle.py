@@ -30,7 +30,7 @@ from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.local.job import Host, JobSpec, LocalJob, Node
 from elastic_ext.local.processes import ProcessSet, environ_of, wait_until
 from elastic_ext.net import free_port
-from elastic_ext.rendezvous.events import EventKind
+from elastic_ext.rendezvous.agent.events import EventKind
 from elastic_ext.warm import SOCKET_ENV
 from elastic_ext.warm.agent import WarmStartServer
 from elastic_ext.warm.status import query_status

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from elastic_ext import control
+from elastic_ext.agent.control import AgentControl
+from elastic_ext.control_channel import CONTROL_DIR_ENV
 from elastic_ext.rendezvous.errors import ConfigError
 from elastic_ext.rendezvous.settings import parse_settings
 from elastic_ext.warm import OFF, SOCKET_ENV, launcher
@@ -361,19 +362,19 @@ def test_a_notice_before_the_scripts_own_handler_is_recorded_not_fatal(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGUSR2 between the fork and the script's ``signal.signal``: the worker lives on and
     the notice goes to the agent; SIGTERM keeps python's default (death)."""
-    monkeypatch.setenv(control.CONTROL_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(CONTROL_DIR_ENV, str(tmp_path))
 
     def notice_then_exit() -> None:
         set_worker_signals()
         signal.raise_signal(signal.SIGUSR2)  # the handler runs before this returns
-        os._exit(0 if control.AgentControl(tmp_path).notice() else 3)
+        os._exit(0 if AgentControl(tmp_path).notice() else 3)
 
     def terminate() -> None:
         set_worker_signals()
         signal.raise_signal(signal.SIGTERM)
 
     assert in_a_child(notice_then_exit) == 0
-    assert control.AgentControl(tmp_path).notice() == "SIGUSR2 to a worker before its handler"
+    assert AgentControl(tmp_path).notice() == "SIGUSR2 to a worker before its handler"
     status = in_a_child(terminate)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
 
@@ -584,8 +585,8 @@ def test_a_fault_that_leaves_the_script_goes_to_the_guard_it_installed_first(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A loop on ElasticLoop lets its exceptions leave the script: the guard it installed
     (which keeps the step before holding) handles them, not the generic hold."""
-    from elastic_ext import preemption
     from elastic_ext.warm import worker
+    from elastic_ext.worker import preemption
 
     fault = RuntimeError("Connection closed by peer")
     guard = _FakeGuard(143)
@@ -605,7 +606,7 @@ def test_a_fault_that_leaves_the_script_goes_to_the_guard_it_installed_first(
 
 
 def test_the_preload_takes_what_a_from_import_asks_of_a_lazy_package(tmp_path: Path) -> None:
-    """``from elastic_ext import ElasticLoop`` loads ``elastic_ext.loop`` only when asked
+    """``from elastic_ext import ElasticLoop`` loads ``elastic_ext.worker.loop`` only when asked
     (PEP 562), as transformers loads its models: the preload asks, before the fork."""
     import subprocess
 
@@ -614,7 +615,8 @@ def test_the_preload_takes_what_a_from_import_asks_of_a_lazy_package(tmp_path: P
     probe = ("import sys\nfrom elastic_ext.warm import preload\nfrom elastic_ext.warm.target "
              "import Target\n"
              f"loaded = preload.preload(Target('path', {str(script)!r}))\n"
-             "print('elastic_ext.loop' in sys.modules, 'elastic_ext.rendezvous' in sys.modules,"
+             "print('elastic_ext.worker.loop' in sys.modules,"
+             " 'elastic_ext.rendezvous' in sys.modules,"
              " [n for n in loaded if ':' in n])\n")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=120, cwd=str(Path(__file__).parent.parent))
@@ -624,7 +626,7 @@ def test_the_preload_takes_what_a_from_import_asks_of_a_lazy_package(tmp_path: P
 @pytest.mark.parametrize("source", [
     "import elastic_ext\n\ndef main():\n    return elastic_ext.ElasticLoop\n",
     "import elastic_ext as ee\nloop_class = ee.ElasticLoop\n",
-    "import elastic_ext.hold\nelastic_ext.loop.elastic_loop.ElasticLoop\n",
+    "import elastic_ext.worker.hold\nelastic_ext.worker.loop.elastic_loop.ElasticLoop\n",
 ])
 def test_the_preload_takes_what_a_script_reads_from_a_lazy_package_after_import(
         tmp_path: Path, source: str) -> None:
@@ -638,7 +640,7 @@ def test_the_preload_takes_what_a_script_reads_from_a_lazy_package_after_import(
     probe = ("import sys\nfrom elastic_ext.warm import preload\nfrom elastic_ext.warm.target "
              "import Target\n"
              f"preload.preload(Target('path', {str(script)!r}))\n"
-             "print('elastic_ext.loop.elastic_loop' in sys.modules)\n")
+             "print('elastic_ext.worker.loop.elastic_loop' in sys.modules)\n")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=120, cwd=str(Path(__file__).parent.parent))
     assert done.stdout.strip() == "True", done.stdout + done.stderr[-2000:]

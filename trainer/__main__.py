@@ -9,7 +9,7 @@ import signal
 import sys
 
 # SLURM's advance notice must not kill a worker before its guard takes the signal over
-# (the etcd-ext agent gets the notice too: elastic_ext.control.catch_preemption).
+# (the etcd-ext agent gets the notice too: elastic_ext.agent.control.AgentControl.catch_preemption).
 signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 from elastic_ext.warm.launcher import hand_off  # noqa: E402
@@ -17,7 +17,7 @@ from elastic_ext.warm.target import Target  # noqa: E402
 
 hand_off(Target.module("trainer"), sys.argv[1:])
 
-from elastic_ext.preemption import exit_now  # noqa: E402  (after the hand-off: imports torch)
+from elastic_ext.worker.preemption import exit_now  # noqa: E402  (after the hand-off: imports torch)
 from trainer.cli import main  # noqa: E402
 
 # Everything is flushed and closed by now; skipping interpreter teardown saves about a

@@ -1,6 +1,6 @@
-"""The trainer's data order is the own-loop object's: ``elastic_ext.loop.data``."""
+"""The trainer's data order is the own-loop object's: ``elastic_ext.worker.loop.data``."""
 
-from elastic_ext.loop.data import (
+from elastic_ext.worker.loop.data import (
     DataPosition,
     epoch_order,
     epoch_seed,

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic_ext.distributed import BackendChoice, DeviceChoice
-from elastic_ext.loop import ElasticLoop, LoopSettings
+from elastic_ext.worker.distributed import BackendChoice, DeviceChoice
+from elastic_ext.worker.loop import ElasticLoop, LoopSettings
 from trainer.model import MODEL_SIZES, SyntheticTask, build_model, params_sha256
 from trainer.progress import open_progress
 

@@ -8,7 +8,7 @@ restarts the report draws. Keeping this pure lets every rule be tested on made-u
 event lists in milliseconds.
 
 The metrics file is split into *segments*, one per ``start`` event (one round of
-training), by :mod:`elastic_ext.runlog`, the reading ``elastic-ext report`` shares.
+training), by :mod:`elastic_ext.ops.runlog`, the reading ``elastic-ext report`` shares.
 Between two segments is a *restart*: the new round resumes from a snapshot, or from
 the state its nodes kept in memory, so the steps of the old round after that are
 lost. That is allowed only when a crash-type fault (a killed worker or node, a frozen
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-from elastic_ext.runlog import (
+from elastic_ext.ops.runlog import (
     MEMORY_SOURCES,
     Boundary,
     Event,

@@ -1,7 +1,7 @@
 """The report of a chaos run: a JSON summary and a PNG timeline.
 
 The summary is built by a pure function (:func:`summary`) so it can be tested and
-reused; the timeline is drawn by :mod:`elastic_ext.timeline` (the same picture as
+reused; the timeline is drawn by :mod:`elastic_ext.ops.timeline` (the same picture as
 ``elastic-ext report``), which needs matplotlib, an optional dependency (``pip install
 elastic-ext[chaos]``), imported only when a picture is asked for.
 
@@ -23,8 +23,8 @@ from typing import Any
 from elastic_ext.chaos.invariants import FaultRecord, Restart
 from elastic_ext.chaos.runner import RunResult
 from elastic_ext.chaos.soak import SoakResult, fault_lines, summary_lines
-from elastic_ext.runlog import Mark
-from elastic_ext.timeline import MissingMatplotlib, draw
+from elastic_ext.ops.runlog import Mark
+from elastic_ext.ops.timeline import MissingMatplotlib, draw
 
 logger = logging.getLogger(__name__)
 

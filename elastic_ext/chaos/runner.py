@@ -39,8 +39,8 @@ from elastic_ext.jsonlines import JsonLinesTail
 from elastic_ext.local.etcd import call_here
 from elastic_ext.local.job import JobSpec, LocalJob
 from elastic_ext.local.processes import Proc
-from elastic_ext.runlog import split_segments
-from elastic_ext.snapshot.layout import parse_name
+from elastic_ext.ops.runlog import split_segments
+from elastic_ext.worker.snapshot.layout import parse_name
 
 logger = logging.getLogger(__name__)
 

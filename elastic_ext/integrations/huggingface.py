@@ -1,6 +1,6 @@
 """A Hugging Face ``Trainer`` that loses at most the step in flight when a node dies.
 
-``ElasticCallback`` runs an :class:`~elastic_ext.loop.ElasticLoop` under the Trainer:
+``ElasticCallback`` runs an :class:`~elastic_ext.worker.loop.ElasticLoop` under the Trainer:
 the step-boundary agreement in ``on_step_end``, the held-step bookkeeping around the
 optimizer's and scheduler's step, keep-on-fault, a durable snapshot every K steps and
 on a stop. A new round's state comes from the peers (or the newest snapshot) through
@@ -35,7 +35,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_callback import ExportableState
 
 from elastic_ext.integrations.resume import new_resume_dir, restore_for_framework
-from elastic_ext.loop import ElasticLoop, LoopSettings
+from elastic_ext.worker.loop import ElasticLoop, LoopSettings
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """A Lightning ``Trainer`` that loses at most the step in flight when a node dies.
 
-``ElasticCallback`` runs an :class:`~elastic_ext.loop.ElasticLoop` under the Trainer:
+``ElasticCallback`` runs an :class:`~elastic_ext.worker.loop.ElasticLoop` under the Trainer:
 the held-step bookkeeping from ``on_before_optimizer_step`` to ``on_train_batch_end``
 (Lightning steps the optimizer and its step-interval schedulers in between), the
 step-boundary agreement in ``on_train_batch_end``, keep-on-fault from ``on_exception``,
@@ -49,8 +49,8 @@ import lightning.pytorch as pl
 import torch
 
 from elastic_ext.integrations.resume import new_resume_dir, restore_for_framework
-from elastic_ext.loop import ElasticLoop, LoopSettings
-from elastic_ext.loop.sampler import StepSampler
+from elastic_ext.worker.loop import ElasticLoop, LoopSettings
+from elastic_ext.worker.loop.sampler import StepSampler
 
 logger = logging.getLogger(__name__)
 

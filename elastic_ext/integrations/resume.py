@@ -15,9 +15,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from elastic_ext.control import node_memory_directory, remove_abandoned
-from elastic_ext.loop import ElasticLoop
-from elastic_ext.snapshot import Restored, SnapshotMismatchError, Stateful
+from elastic_ext.control_channel import node_memory_directory, remove_abandoned
+from elastic_ext.worker.loop import ElasticLoop
+from elastic_ext.worker.snapshot import Restored, SnapshotMismatchError, Stateful
 
 PREFIX = "elastic-ext-resume-"
 

@@ -15,7 +15,7 @@ from elastic_ext.jsonlines import JsonLinesTail, read_json_lines
 from elastic_ext.local.etcd import EtcdCluster, call_here, start_cluster
 from elastic_ext.local.processes import Proc, ProcessSet, environ_of, wait_until
 from elastic_ext.net import free_port
-from elastic_ext.rendezvous.events import EventKind
+from elastic_ext.rendezvous.agent.events import EventKind
 
 STORES = ("etcd", "embedded", "stock-c10d")
 

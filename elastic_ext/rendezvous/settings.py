@@ -61,7 +61,7 @@ CONF_KEYS: dict[str, tuple[str, str]] = {
                         "(`auto`: the node whose address matches the endpoint tries; `true`: "
                         "this node hosts; `false`: it only connects)"),
     "events_file": ("", "append one JSON line per rendezvous event of this agent to this file "
-                        "(for tools and audits; see `elastic_ext/rendezvous/events.py`)"),
+                        "(for tools and audits; see `elastic_ext/rendezvous/agent/events.py`)"),
     "metrics_port": ("", "serve this agent's Prometheus metrics on this port of every "
                          "interface (`0`: any free port, named in the log and the "
                          "`started` event); needs `pip install 'elastic-ext[metrics]'`"),

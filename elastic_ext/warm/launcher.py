@@ -18,11 +18,11 @@ import socket
 import sys
 from typing import NoReturn
 
-from elastic_ext.hold import flush_std_streams, hold_for_agent
 from elastic_ext.warm import OFF, RELAYED_SIGNALS, SOCKET_ENV
 from elastic_ext.warm.protocol import ProtocolError, RunRequest, recv_message, send_message
 from elastic_ext.warm.target import Target, UsageError, parse_command
 from elastic_ext.warm.worker import in_warm_worker, process_start_time, run_target
+from elastic_ext.worker.hold import flush_std_streams, hold_for_agent
 
 logger = logging.getLogger(__name__)
 

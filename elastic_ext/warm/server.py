@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import NoReturn
 
-from elastic_ext.control import report_notice
 from elastic_ext.warm import RELAYED_SIGNALS, preload, safety
 from elastic_ext.warm.protocol import ProtocolError, RunRequest, recv_message, send_message
 from elastic_ext.warm.target import Target
 from elastic_ext.warm.worker import enter_warm_worker, run_target
+from elastic_ext.worker.control import report_notice
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The one thing added: a script that knows nothing of elastic-ext and dies of a
 peer's failure reports it to the etcd-ext agent and waits to be stopped, exactly as
-the bundled trainer's guard does (:mod:`elastic_ext.hold`), so torch's agent sees a
+the bundled trainer's guard does (:mod:`elastic_ext.worker.hold`), so torch's agent sees a
 membership change instead of this worker's failure and spends no restart on it.
 """
 
@@ -16,8 +16,8 @@ import time
 import traceback
 from typing import NoReturn
 
-from elastic_ext.hold import exit_now, flush_std_streams, hold_after_peer_fault
 from elastic_ext.warm.target import Target
+from elastic_ext.worker.hold import exit_now, flush_std_streams, hold_after_peer_fault
 
 _warm = False
 _launched_at: float | None = None
@@ -108,7 +108,7 @@ def _uncaught(exc: BaseException) -> int:
     held worker leaves at once when its agent's signal comes (``exit_now``): the
     interpreter's teardown of the broken process group would take over a second.
     """
-    preemption = sys.modules.get("elastic_ext.preemption")  # imported by the script, or none
+    preemption = sys.modules.get("elastic_ext.worker.preemption")  # imported by the script, or none
     guard = preemption.installed_guard() if preemption is not None else None
     if preemption is not None and guard is not None:
         try:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import sys
 import time
 
-from elastic_ext.rendezvous.etcd_backend import EtcdBackend
-from elastic_ext.rendezvous.presence import PresenceListener
+from elastic_ext.rendezvous.agent.presence import PresenceListener
 from elastic_ext.rendezvous.settings import parse_settings
+from elastic_ext.rendezvous.stores.etcd.backend import EtcdBackend
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic_ext.snapshot import LocalCopies, Snapshotter, handoff
+from elastic_ext.worker.snapshot import LocalCopies, Snapshotter, handoff
 
 CASE_MARK = "=== case "
 """Starts the line each case prints first (``tests/test_handoff_ranks.py`` splits logs on it)."""

@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elastic_ext.control import report_peer_failure
+from elastic_ext.worker.control import report_peer_failure
 
 
 def main() -> None:

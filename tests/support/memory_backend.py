@@ -13,21 +13,19 @@ from datetime import timedelta
 
 from torch.distributed import HashStore, Store
 
-from elastic_ext.rendezvous.backend import (
+from elastic_ext.rendezvous.errors import StoreUnavailableError
+from elastic_ext.rendezvous.protocol.clock import Clock
+from elastic_ext.rendezvous.protocol.liveness import LEFT
+from elastic_ext.rendezvous.stores.contract import StoreBackend, Token, poll_until
+from elastic_ext.rendezvous.stores.wire import (
     HEAD_KEY,
     SEAT_DIR,
     STATE_KEY,
-    StoreBackend,
-    Token,
     head_and_seats,
     heartbeat_value,
-    poll_until,
     unwrap_state,
     wrap_state,
 )
-from elastic_ext.rendezvous.clock import Clock
-from elastic_ext.rendezvous.errors import StoreUnavailableError
-from elastic_ext.rendezvous.liveness import LEFT
 
 
 class MemoryStore:

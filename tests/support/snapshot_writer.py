@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from elastic_ext.snapshot import Snapshotter
+from elastic_ext.worker.snapshot import Snapshotter
 
 
 def main() -> None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from elastic_ext.rendezvous.backend import STATE_KEY
-from elastic_ext.rendezvous.etcd_client import EtcdClient
 from elastic_ext.rendezvous.settings import Settings, parse_settings
+from elastic_ext.rendezvous.stores.etcd.client import EtcdClient
+from elastic_ext.rendezvous.stores.wire import STATE_KEY
 
 
 def settings_for(endpoint: str, run_id: str = "run1", nnodes: tuple[int, int] = (1, 3),

@@ -1,0 +1,73 @@
+"""What every ``next_rendezvous`` call of one node shares: the handles it reaches the run
+through (``NodeContext``), what it carries from one call to the next (``Memory``), and how
+it waits out a store that went away."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from elastic_ext.agent.control import AgentControl
+from elastic_ext.rendezvous.agent.events import EventLog
+from elastic_ext.rendezvous.agent.keeper import Keeper
+from elastic_ext.rendezvous.agent.lifecycle import Lifecycle
+from elastic_ext.rendezvous.agent.probes import Probes
+from elastic_ext.rendezvous.errors import StoreUnavailableError
+from elastic_ext.rendezvous.protocol.clock import Clock
+from elastic_ext.rendezvous.protocol.policy import Limits
+from elastic_ext.rendezvous.settings import Settings
+from elastic_ext.rendezvous.stores.contract import StoreBackend
+
+logger = logging.getLogger(__name__)
+
+OUTAGE_RETRY_S = 0.05
+"""How often a rendezvous asks a store that went away again."""
+
+
+def wait_out_outage(backend: StoreBackend, clock: Clock, exc: StoreUnavailableError,
+                    deadline: float) -> None:
+    """Inside a rendezvous (and at an agent's first heartbeat) an outage is waited out until
+    the join deadline when the store can come back (etcd); the embedded store dies with its
+    host, so losing it ends the rendezvous at once: ``exc`` is raised again."""
+    if not backend.outages_are_transient or clock.monotonic() > deadline:
+        raise exc
+    logger.warning("etcd-ext: store unreachable, still trying until the join timeout: %s", exc)
+    clock.sleep(OUTAGE_RETRY_S)
+
+
+@dataclass
+class Memory:
+    """What one node carries from one ``next_rendezvous`` call to the next."""
+
+    completed: tuple[str, int] | None = None  # (generation, round) it last joined
+    # The nodes of that round, by rank; None when this node learnt its place in it from its
+    # seat (``head.py``) and read no list of them, then only that round's rank 0 is known.
+    last_order: tuple[str, ...] | None = ()
+    last_rank0: str | None = None
+    last_seal: str = ""  # ``head.seal_of`` that round
+    # when this node first saw each open round with MIN nodes (its last call counts from then)
+    min_reached_at: dict[tuple[str, int], float] = field(default_factory=dict)
+    last_written_note: str = ""  # logged when written: not logged again when read
+    # when this node saw each round of its generation complete (rank 0 drops old rounds'
+    # keys only ``OLD_ROUND_GRACE_S`` after)
+    completed_at: dict[tuple[str, int], float] = field(default_factory=dict)
+    # An open round whose idle closer this node took over. Kept across calls: after a call
+    # that ended in an error, the next one on the same round decides on it at once.
+    take_over: tuple[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class NodeContext:
+    """This node and what a session reaches the run through; the same for every call."""
+
+    node: str
+    addr: str
+    settings: Settings
+    limits: Limits
+    backend: StoreBackend
+    clock: Clock
+    keeper: Keeper
+    events: EventLog
+    control: AgentControl
+    probes: Probes
+    lifecycle: Lifecycle

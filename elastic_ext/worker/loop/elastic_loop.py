@@ -1,0 +1,467 @@
+"""``ElasticLoop``: the one object a training loop talks to, with the protocol inside.
+
+What the bundled trainer does to lose no step when a node dies, is preempted or joins
+(``docs/snapshot-hook.md``), in the order it must happen: the preemption guard before
+the process group (signals during start-up count), the process group with NCCL's
+error handling and a collective timeout, the collective restore with hand-off, the
+held-step bookkeeping (on a GPU: only steps the device finished), keeping that step in
+node memory on a peer fault or a membership stop, the step-boundary agreement, a
+durable snapshot every K steps and on a stop, progress reports to the agent, and the
+exit statuses. A loop names what to save and iterates::
+
+    loop = ElasticLoop(LoopSettings(snapshot_dir=..., snapshot_every=50))
+    model = Net().to(loop.device)
+    optimizer = torch.optim.AdamW(model.parameters())
+    loop.restore(model=model, optimizer=optimizer)
+    ddp = DistributedDataParallel(model, device_ids=loop.device_ids)
+    for ids in loop.batches(len(dataset), global_batch_size=32, steps=1000):
+        loss = ...(ddp, dataset[ids]); loss.backward()
+        with loop.update():
+            optimizer.step()
+        loop.step_done(loss)
+    loop.finish()
+
+A peer's fault raised anywhere in the loop reaches ``fail`` (directly, or through the
+``sys.excepthook`` the object installs): the step is kept and the worker waits for its
+agent. Anything else is raised as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from types import TracebackType
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from elastic_ext.warm.worker import launched_at
+from elastic_ext.worker import control
+from elastic_ext.worker.distributed import (
+    BackendChoice,
+    DeviceChoice,
+    choose_device,
+    init_process_group,
+)
+from elastic_ext.worker.loop.data import DataPosition, next_batch, shard
+from elastic_ext.worker.loop.events import MetricsLog
+from elastic_ext.worker.loop.sampler import StepSampler
+from elastic_ext.worker.preemption import GuardSettings, PreemptionGuard, exit_now
+from elastic_ext.worker.snapshot import (
+    HeldStep,
+    Restored,
+    SnapshotError,
+    Snapshotter,
+    Source,
+    Stateful,
+)
+from elastic_ext.worker.snapshot.hook import SnapshotInfo
+
+logger = logging.getLogger(__name__)
+
+EventHook = Callable[[str, int, Mapping[str, Any]], None]
+"""Called with every event the loop logs (``event``, ``step``, its fields), on every rank."""
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """What a loop chooses; the bundled trainer's flags of the same names set them."""
+
+    snapshot_dir: Path | None = None
+    """Where global rank 0 writes durable snapshots (node-local is fine); None: none."""
+    snapshot_every: int = 0
+    """A background snapshot every K steps (0: only on a stop and at the end)."""
+    keep: int = 3
+    total_steps: int | None = None
+    """The last step, if known: its snapshot is the final durable one, not a background one."""
+    device: DeviceChoice = "auto"
+    backend: BackendChoice = "auto"
+    collective_timeout_s: float = 60.0
+    stop_grace_s: float = 3.0
+    preempt_grace_s: float = 30.0
+    hold_timeout_s: float = 60.0
+    metrics: Path | None = None
+    """The JSON-lines events file (``elastic_ext.worker.loop.events``), appended by global
+    rank 0."""
+
+
+def _under_launcher() -> bool:
+    return "MASTER_ADDR" in os.environ and "RANK" in os.environ
+
+
+class ElasticLoop:
+    """The guard, the process group, the snapshots and the step protocol of one worker.
+
+    Creating it installs the guard, creates the default process group (a one-rank group
+    for a process started without a launcher) and an ``excepthook`` for peer faults;
+    call it once, in the main thread, before any collective.
+    """
+
+    def __init__(self, settings: LoopSettings | None = None, *, on_event: EventHook | None = None,
+                 main_at: float | None = None) -> None:
+        s = self.settings = settings or LoopSettings()
+        self._times = {"launched_at": launched_at(), "main_at": main_at or time.time()}
+        self.guard = PreemptionGuard(GuardSettings(stop_grace_s=s.stop_grace_s,
+                                                   preempt_grace_s=s.preempt_grace_s,
+                                                   hold_timeout_s=s.hold_timeout_s)).install()
+        self.device = choose_device(s.device)
+        init_process_group(timeout_s=s.collective_timeout_s, device=self.device,
+                           backend=s.backend,
+                           store=None if _under_launcher() else dist.HashStore())
+        self._times["pg_ready_at"] = time.time()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self._on_event = on_event
+        self.events = MetricsLog(s.metrics, enabled=self.rank == 0, world_size=self.world_size,
+                                 restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+        self.snapshots = Snapshotter(s.snapshot_dir, keep=s.keep)
+        self.step = 0
+        self.position: DataPosition | None = None
+        self.restored: Restored | None = None
+        self.resumed_from: int | None = None
+        self._objects: dict[str, Stateful] = {}
+        self._data_settings: dict[str, int] = {}
+        self._next: DataPosition | None = None
+        self.global_ids: torch.Tensor | None = None
+        """The whole step's sample ids, every rank's share (``batches`` only)."""
+        self.held: HeldStep[DataPosition | None] = HeldStep(0, None, device=self.device)
+        self._open_update: ExitStack | None = None
+        self.guard.keep_state = self._keep_on_fault
+        self._closed = False
+        self._previous_hook = sys.excepthook
+        sys.excepthook = self._excepthook
+
+    # -- what the loop asks
+    @property
+    def device_ids(self) -> list[int] | None:
+        """``DistributedDataParallel``'s ``device_ids``: this rank's GPU, None on the CPU."""
+        return [self.device.index or 0] if self.device.type == "cuda" else None
+
+    def emit(self, event: str, step: int, **fields: Any) -> None:
+        """Log ``event`` to the metrics file (rank 0) and pass it to ``on_event``."""
+        self.events.emit(event, step, **fields)
+        if self._on_event is not None:
+            self._on_event(event, step, fields)
+
+    # -- restore
+    def restore(self, objects: Mapping[str, Stateful] | None = None,
+                **named: Stateful) -> int:
+        """Name what to save (modules, optimizers, schedulers, anything ``Stateful``) and
+        load the newest step any rank holds into it, on every rank (collective); the step
+        to continue from (0: a fresh start). Logs ``start`` and ``restore``.
+
+        Raises:
+            SnapshotMismatchError: the newest snapshot is of another model.
+        """
+        self._objects = {**(objects or {}), **named}
+        started = time.perf_counter()
+        restored = self.restored = self.snapshots.restore(self._objects)
+        seconds = time.perf_counter() - started
+        self._times["restored_at"] = time.time()
+        if restored is not None:
+            self.step = self.resumed_from = restored.step
+            data = restored.state.get("data")
+            if isinstance(data, Mapping) and "epoch" in data:
+                self.position = DataPosition.from_state(dict(data))
+                self._data_settings = {k: int(data[k]) for k in
+                                       ("seed", "dataset_size", "global_batch_size") if k in data}
+        self.held = HeldStep(self.step, self.position, device=self.device)
+        self.emit("start", self.step, resumed_from=self.resumed_from, rank=self.rank,
+                  **self._times)
+        self.emit("restore", restored.step if restored else 0,
+                  source=restored.source if restored else Source.NONE,
+                  bytes=restored.bytes if restored else 0, seconds=seconds)
+        return self.step
+
+    def track(self, **named: Stateful) -> None:
+        """Add to what the loop saves objects that exist only after ``restore`` (a
+        framework creates its optimizer and scheduler when training starts); their
+        restored state is in ``restored.state``, for the framework to load itself."""
+        self._objects.update(named)
+
+    @property
+    def restored_age_s(self) -> float | None:
+        """How old the restored snapshot is, when it came from disk (else None)."""
+        restored = self.restored
+        if restored is None or restored.created is None or restored.source != Source.DISK:
+            return None
+        return max(0.0, self._times["restored_at"] - restored.created)
+
+    # -- data
+    def batches(self, dataset_size: int, global_batch_size: int, *, seed: int = 0,
+                steps: int | None = None) -> Iterator[torch.Tensor]:
+        """This rank's sample ids for each step from the restored position on, until
+        ``steps`` (or ``LoopSettings.total_steps``): every sample of an epoch exactly
+        once across the ranks, at any world size and after any restore
+        (``elastic_ext.worker.loop.data``), for a map-style dataset of ``dataset_size``.
+
+        Raises:
+            SnapshotError: the restored state was trained with another seed or dataset.
+        """
+        position = self.start_data(dataset_size, global_batch_size, seed=seed)
+        last = steps if steps is not None else self.settings.total_steps
+        while last is None or self.step < last:
+            global_ids, after = next_batch(position, seed, global_batch_size, dataset_size)
+            self.batch_started(global_ids, after)
+            yield shard(global_ids, self.rank, self.world_size)
+            position = self.position or DataPosition()
+
+    def batch_sampler(self, dataset_size: int, global_batch_size: int, *,
+                      seed: int = 0) -> StepSampler:
+        """``batches`` as a ``DataLoader``'s ``batch_sampler``, for a framework that owns
+        the loop (one epoch per iteration); its hook at the start of each step's batch
+        calls ``StepSampler.started``."""
+        return StepSampler(self, dataset_size, global_batch_size, seed=seed)
+
+    def start_data(self, dataset_size: int, global_batch_size: int, *,
+                   seed: int = 0) -> DataPosition:
+        """Check a data order against the restored one and return where it continues.
+
+        Raises:
+            SnapshotError: the restored state was trained with another seed or dataset.
+            ValueError: fewer samples per step than ranks.
+        """
+        saved = self._data_settings
+        if saved and (saved.get("seed"), saved.get("dataset_size")) != (seed, dataset_size):
+            raise SnapshotError(
+                f"{self.restored.origin if self.restored else 'the restored state'} was "
+                f"taken with seed {saved.get('seed')} and dataset size "
+                f"{saved.get('dataset_size')}; this run has {seed} and {dataset_size}, so "
+                "its data order would not continue")
+        if saved.get("global_batch_size", global_batch_size) != global_batch_size:
+            logger.warning("global batch size changed from %d to %d; the epoch continues at "
+                           "sample %d", saved["global_batch_size"], global_batch_size,
+                           self.position.offset if self.position else 0)
+        if global_batch_size < self.world_size:
+            raise ValueError(f"the global batch size {global_batch_size} is smaller than the "
+                             f"world size {self.world_size}")
+        self._data_settings = {"seed": seed, "dataset_size": dataset_size,
+                               "global_batch_size": global_batch_size}
+        if self.position is None:
+            self.position = DataPosition()
+            self.held = HeldStep(self.step, self.position, device=self.device)
+        return self.position
+
+    def batch_started(self, global_ids: torch.Tensor, after: DataPosition) -> None:
+        """The step now under way trains ``global_ids``; the data stands at ``after`` once
+        it is done."""
+        self.global_ids, self._next = global_ids, after
+
+    @property
+    def next_position(self) -> DataPosition | None:
+        """Where the data stands once the current step is done (``batches`` only)."""
+        return self._next
+
+    # -- one step
+    @contextmanager
+    def update(self) -> Iterator[None]:
+        """Around the optimizer's (and scheduler's) step: no keep sees half an update, and
+        on a GPU the step counts only once the device finished it (``HeldStep``)."""
+        with self.held.updating(self.step + 1, self._next):
+            yield
+
+    def begin_update(self) -> None:
+        """``update()`` for a framework that calls back before the update and after it
+        (the optimizer's step, the scheduler's, its step count); ``end_update`` closes it.
+        A peer's fault in between keeps nothing of the half-applied update. A second call
+        before ``end_update`` is part of the same update (an optimizer such as LBFGS
+        calls a framework's closure, and its hook, several times in one step)."""
+        if self._open_update is not None:
+            return
+        stack = ExitStack()
+        stack.enter_context(self.update())
+        self._open_update = stack
+
+    def end_update(self) -> None:
+        """The update ``begin_update`` opened is complete."""
+        stack, self._open_update = self._open_update, None
+        if stack is not None:
+            stack.close()
+
+    def step_done(self, loss: torch.Tensor | None = None, *,
+                  total: float | None = None) -> float | None:
+        """The step boundary, on every rank: one all-reduce tells whether any rank was
+        signalled (then keep or commit and exit here), confirms the update, reports
+        progress, and starts a background snapshot every K steps. Returns the sum of
+        ``loss`` over the ranks divided by ``total`` (default: the world size).
+        """
+        values = loss.detach().reshape(1) if loss is not None else None
+        try:
+            agreed = self.guard.agree(values)
+            self.held.confirm()
+        except Exception as exc:
+            self.fail(exc)
+        self.step += 1
+        if self._next is not None:
+            self.position = self._next
+        mean = None
+        if agreed.values is not None:
+            mean = float(agreed.values[0].item()) / (total or self.world_size)
+        where = {} if self.position is None else {"epoch": self.position.epoch,
+                                                  "offset": self.position.offset}
+        self.emit("step", self.step, loss=mean, **where)  # where the data stands after it
+        if agreed.stop:
+            if agreed.restart:
+                self._stopped_for_restart()
+            self._preempted()
+        s = self.settings
+        if (s.snapshot_dir is not None and s.snapshot_every > 0
+                and self.step % s.snapshot_every == 0
+                and (s.total_steps is None or self.step < s.total_steps)):
+            try:  # collective (every rank's RNG states go to rank 0): a peer may die in it
+                future = self.snapshots.commit(self.step, self.state())
+            except Exception as exc:
+                self.fail(exc)
+            future.add_done_callback(partial(self._report_snapshot, self.step))
+        return mean
+
+    def state(self, position: DataPosition | None = None) -> dict[str, Any]:
+        """What a snapshot holds: the named objects and where the data stands."""
+        at = position if position is not None else self.position
+        state: dict[str, Any] = dict(self._objects)
+        if at is not None:
+            state["data"] = {**at.to_state(), **self._data_settings}
+        return state
+
+    # -- the end, and the ways out
+    def finish(self, **fields: Any) -> None:
+        """Training completed: a durable snapshot of the last step (collective), then tell
+        the agent that the job is done (only this marks it finished). Logs ``done`` with
+        ``fields``."""
+        self.guard.begin_commit()
+        if self.resumed_from != self.step:  # a restart of a finished run has nothing new
+            self._commit_now()
+        self.guard.done()
+        self.emit("done", self.step, **fields)
+        logger.info("done at step %d", self.step)
+        self.close()
+
+    def fail(self, exc: BaseException) -> NoReturn:
+        """A step raised ``exc``: a peer's fault under an etcd-ext agent keeps the held step
+        and waits for the agent to stop this worker; anything else is raised again."""
+        exit_now(self.guard.failure_exit_code(exc))
+
+    def exit_on_peer_fault(self, exc: BaseException) -> None:
+        """For a framework's exception hook, before its own clean-up (which could wait on
+        the broken group): a peer's fault keeps the held step and waits here for the agent
+        to stop this worker; for anything else this returns."""
+        try:
+            code = self.guard.failure_exit_code(exc)
+        except BaseException:  # not a peer's fault: the framework's to handle
+            return
+        exit_now(code)
+
+    def close(self) -> None:
+        """Flush what this worker wrote; the guard and the excepthook stand down. The
+        process group is left alone: torch 2.13 can deadlock freeing a gloo group
+        (pytorch issues 75097 and 56297), and the process exits next."""
+        if self._closed:
+            return
+        self._closed = True
+        self.snapshots.close()
+        self.events.close()
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._previous_hook
+        self.guard.uninstall()
+
+    def _excepthook(self, kind: type[BaseException], exc: BaseException,
+                    tb: TracebackType | None) -> None:
+        if not self._closed and isinstance(exc, Exception):
+            self.exit_on_peer_fault(exc)  # else the usual traceback
+        self._previous_hook(kind, exc, tb)
+
+    def abandon_update(self, why: str) -> None:
+        """An update ``begin_update`` opened will not complete (it raised): it is never
+        held, and its lock is let go. Only from the thread that opened it (the main one)."""
+        stack = self._open_update
+        if stack is not None and threading.current_thread() is threading.main_thread():
+            self._open_update = None
+            stack.__exit__(RuntimeError, RuntimeError(why), None)
+
+    @property
+    def closed(self) -> bool:
+        """``finish`` or ``close`` ran: this worker's part is over."""
+        return self._closed
+
+    def _keep_on_fault(self, why: str) -> None:
+        """The guard's ``keep_state``: keep the held step before leaving mid-step."""
+        # Left between begin_update and end_update: that update is not held, and its lock
+        # (this thread's) must be let go before the keep takes it.
+        self.abandon_update(why)
+        result = self.held.keep(
+            lambda step, position: self.snapshots.stage_kept(self.state(position)),
+            self.snapshots.write_kept)
+        step = result[0] if result is not None else (self.held.step or self.step)
+        kept = result is not None and result[1] is not None
+        if kept:
+            logger.info("kept the state of step %d in node memory (%s)", step, why)
+        self.emit("fault", step, why=why, kept=step if kept else None)
+
+    def _commit_now(self) -> None:
+        if self.settings.snapshot_dir is None:
+            return
+        try:
+            info = self.snapshots.commit_now(self.step, self.state())
+        except SnapshotError as exc:
+            logger.error("%s", exc)
+            exit_now(1)
+        except Exception as exc:
+            self.fail(exc)
+        if info is not None:
+            self.emit("snapshot", self.step, blocking_s=info.blocking_s, write_s=info.write_s,
+                      bytes=info.size)
+
+    def _report_snapshot(self, step: int, future: Future[SnapshotInfo | None]) -> None:
+        """In the writer thread, once a background snapshot is durable (or failed)."""
+        try:
+            info = future.result()
+        except Exception as exc:
+            logger.error("snapshot of step %d failed, training goes on: %s", step, exc)
+            return
+        if info is not None:
+            self.emit("snapshot", step, blocking_s=info.blocking_s, write_s=info.write_s,
+                      bytes=info.size)
+
+    def _stopped_for_restart(self) -> NoReturn:
+        """Every signalled rank's agent restarts the round (a membership change): keep this
+        step in node memory, where the next round's hand-off takes it from."""
+        reason = control.leaving_reason() or "membership"
+        logger.info("stopping at step %d: the etcd-ext agent restarts the round (%s)",
+                    self.step, reason)
+        kept = self.snapshots.keep_local(self.step, self.state())
+        self.emit("stopped", self.step, reason=reason,
+                  kept=self.step if kept is not None else None)
+        code = self.guard.preempted_exit_code()
+        self.close()
+        exit_now(code)
+
+    def _preempted(self) -> NoReturn:
+        """A real stop (SIGTERM, SIGINT, SIGUSR2, or the job's stop): keep the step in node
+        memory, commit it durably, exit 0 once this worker's own signal came."""
+        received = self.guard.signalled
+        logger.warning("stopping at step %d: %s", self.step,
+                       f"got {signal.Signals(received).name}" if received
+                       else "a peer was signalled")
+        self.snapshots.keep_local(self.step, self.state())
+        self._commit_now()
+        code = self.guard.preempted_exit_code()
+        # After the wait for this worker's own signal: its agent may tell it of the job's
+        # stop a moment after a peer's agent did.
+        received = self.guard.signalled
+        self.emit("preempted", self.step,
+                  signal=signal.Signals(received).name if received else None)
+        self.close()
+        exit_now(code)
+
+
+__all__ = ["ElasticLoop", "EventHook", "LoopSettings"]
