@@ -1,5 +1,6 @@
-"""The ``StoreBackend`` contract on a real etcd, on the embedded TCPStore, and on the
-in-memory test double that the fast handler tests use (so the double is held to it too).
+"""The store contracts (``StoreBackend`` and the four it is made of) on a real etcd, on
+the embedded TCPStore, and on the in-memory test double that the fast handler tests use
+(so the double is held to it too).
 
 Modelled on torch's own ``RendezvousBackendTestMixin``: current, stale, absent and
 unknown tokens, and corrupt state; then heartbeats, round stores and run listing.
@@ -27,7 +28,13 @@ from elastic_ext.rendezvous.protocol.liveness import LEFT
 from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, RunState
 from elastic_ext.rendezvous.settings import Settings
 from elastic_ext.rendezvous.stores.c10d.backend import C10dBackend
-from elastic_ext.rendezvous.stores.contract import StoreBackend
+from elastic_ext.rendezvous.stores.contract import (
+    Heartbeats,
+    JoinBook,
+    RoundStores,
+    StateDocument,
+    StoreBackend,
+)
 from elastic_ext.rendezvous.stores.etcd.backend import EtcdBackend
 from elastic_ext.rendezvous.stores.wire import STATE_KEY
 from tests.support.memory_backend import MemoryBackend, MemoryStore
@@ -511,3 +518,30 @@ def test_dropping_more_joins_than_one_transaction_holds(backend: StoreBackend) -
         backend.join("g", 1, node, b"entry")
     backend.drop_joins("g", 1, nodes[1:])
     assert backend.read_joins("g", 1) == [("n000", b"entry")]
+
+
+CONTRACT_LIMIT = 12
+"""The most members one store contract may have (issue 39: torch's ``RendezvousBackend``
+has 3; etcd's ``concurrency`` builds on narrow interfaces)."""
+
+
+def members(contract: type) -> set[str]:
+    """The public members ``contract`` itself defines (not those it inherits)."""
+    return {name for name in vars(contract) if not name.startswith("_")}
+
+
+@pytest.mark.parametrize("contract", [StateDocument, JoinBook, Heartbeats, RoundStores,
+                                      StoreBackend], ids=lambda c: c.__name__)
+def test_a_store_contract_stays_narrow(contract: type) -> None:
+    assert 0 < len(members(contract)) <= CONTRACT_LIMIT, sorted(members(contract))
+
+
+def test_the_store_backend_is_its_four_contracts_and_a_connection() -> None:
+    """Every public member of a store is in exactly one contract, so that a collaborator
+    typed against one contract sees all it may use of a store, and nothing else."""
+    contracts = [StateDocument, JoinBook, Heartbeats, RoundStores, StoreBackend]
+    every = [name for contract in contracts for name in members(contract)]
+    assert len(every) == len(set(every)), "a member is in two contracts"
+    public = {name for name in dir(StoreBackend) if not name.startswith("_")}
+    assert public == set(every)
+    assert set(StoreBackend.__mro__[1:5]) == set(contracts[:4])

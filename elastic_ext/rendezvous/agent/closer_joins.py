@@ -5,7 +5,7 @@ The closer decides on the round with every join merged in, again at each join an
 passes (the last call, a death judged). Reading every key at each join would be O(N²)
 bytes for it at N joins one by one, so the keys are read again only when there are more
 of them and they can make MIN nodes, and below MIN it waits for the joins that make it.
-It waits on the store (``StoreBackend.wait_for_joins``): on etcd a watch of the round's
+It waits on the store (``JoinBook.wait_for_joins``): on etcd a watch of the round's
 joins, which also answers its reads of them; on the embedded store a ``TCPStore.wait``.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from elastic_ext.rendezvous.protocol.clock import Clock
 from elastic_ext.rendezvous.protocol.joins import with_joins
 from elastic_ext.rendezvous.protocol.state import RunState
-from elastic_ext.rendezvous.stores.contract import StoreBackend
+from elastic_ext.rendezvous.stores.contract import JoinBook
 
 JoinsKey = tuple[str, int, int, RunState]
 """(generation, round, join count, state) as of the last read of the keys."""
@@ -23,7 +23,7 @@ JoinsKey = tuple[str, int, int, RunState]
 class CloserJoins:
     """One rendezvous call's reads of the joins of the rounds it closes."""
 
-    def __init__(self, backend: StoreBackend, min_nodes: int, max_nodes: int) -> None:
+    def __init__(self, backend: JoinBook, min_nodes: int, max_nodes: int) -> None:
         self._backend = backend
         self._min_nodes = min_nodes
         self._max_nodes = max_nodes

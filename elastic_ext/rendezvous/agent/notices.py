@@ -16,7 +16,7 @@ from elastic_ext.rendezvous.protocol.drain import NOTICE_SETTLE_S, settled, with
 from elastic_ext.rendezvous.protocol.head import Head
 from elastic_ext.rendezvous.protocol.policy import Limits
 from elastic_ext.rendezvous.protocol.state import RunState
-from elastic_ext.rendezvous.stores.contract import StoreBackend
+from elastic_ext.rendezvous.stores.contract import StateDocument
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class NoticeRelay:
     waited ``NOTICE_SETTLE_S``.
     """
 
-    def __init__(self, backend: StoreBackend, node: str, *, limits: Limits,
+    def __init__(self, backend: StateDocument, node: str, *, limits: Limits,
                  control: AgentControl, events: EventLog, clock: Clock,
                  wake: Callable[[], None]) -> None:
         self._backend = backend

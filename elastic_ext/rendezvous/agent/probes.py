@@ -14,7 +14,7 @@ from elastic_ext.rendezvous.agent.events import EventKind, EventLog
 from elastic_ext.rendezvous.agent.keeper import Keeper
 from elastic_ext.rendezvous.errors import StoreUnavailableError
 from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, RunState
-from elastic_ext.rendezvous.stores.contract import StoreBackend
+from elastic_ext.rendezvous.stores.contract import Heartbeats
 from elastic_ext.rendezvous.stores.wire import presence_port_of
 
 
@@ -22,7 +22,7 @@ class Probes:
     """One node's probes of the others, with every address it saw in a state (kept for
     the node's life: a round's nodes are probed after the round ended)."""
 
-    def __init__(self, node: str, backend: StoreBackend, keeper: Keeper,
+    def __init__(self, node: str, backend: Heartbeats, keeper: Keeper,
                  events: EventLog) -> None:
         self._node = node
         self._backend = backend

@@ -13,7 +13,7 @@ from __future__ import annotations
 from elastic_ext.rendezvous.protocol.head import Head
 from elastic_ext.rendezvous.protocol.liveness import Verdict
 from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, RunState
-from elastic_ext.rendezvous.stores.contract import StoreBackend
+from elastic_ext.rendezvous.stores.contract import StateDocument
 
 _UNREAD = object()  # a version no store gives: nothing read yet
 
@@ -33,7 +33,7 @@ def watcher_verdict(by: str, state: RunState, dead: frozenset[str], left: frozen
 class RunView:
     """One keeper's reads of the state; used by its thread only."""
 
-    def __init__(self, backend: StoreBackend, node: str) -> None:
+    def __init__(self, backend: StateDocument, node: str) -> None:
         self._backend = backend
         self._node = node
         self.version: object | None = _UNREAD  # the state's version read last

@@ -52,8 +52,10 @@ class KeeperRead:
     verdict: bytes | None
 
 
-class StoreBackend(ABC):
-    """One connection to one run's keys. Not shared between threads: ``clone`` instead.
+class StateDocument(ABC):
+    """The run's state: one JSON document, written only by compare-and-swap, and what
+    a store may keep beside it to be read cheaply (its version, its head, the closed
+    round's seats). torch's ``RendezvousBackend`` is this contract's first two methods.
 
     Unless a method says otherwise, every method that talks to the store raises
     :class:`~elastic_ext.rendezvous.errors.StoreUnavailableError` when no endpoint
@@ -61,32 +63,6 @@ class StoreBackend(ABC):
     :class:`~elastic_ext.rendezvous.errors.StoreAuthError` when the store refused the
     credentials or certificate (retrying will not help).
     """
-
-    @property
-    @abstractmethod
-    def name(self) -> str:
-        """The kind of store, for logs and events: ``etcd-v3`` or ``c10d-embedded``."""
-
-    @property
-    def outages_are_transient(self) -> bool:
-        """Whether an unreachable store may come back (an etcd cluster, whose members
-        recover or stand in for each other) or is gone for good (the embedded store died
-        with the agent that hosted it)."""
-        return True
-
-    @property
-    def heartbeats_expire(self) -> bool:
-        """Whether a heartbeat key lives only as long as its agent renews it (etcd: it hangs
-        on the agent's lease, and etcd deletes it a TTL after the last keep-alive): its
-        presence is the heartbeat, and its value moves only when the agent announces itself
-        anew. False: the value is a counter that ``beat`` moves and the keeper must see
-        move (``liveness.Liveness``)."""
-        return False
-
-    @property
-    def hosts_store(self) -> bool:
-        """Whether this agent's own process serves the store (the embedded store's host)."""
-        return False
 
     @abstractmethod
     def get_state(self) -> tuple[bytes, Token] | None:
@@ -116,6 +92,12 @@ class StoreBackend(ABC):
         itself (a few bytes, whatever the job's size); None when the run has no state.
         Only compared with other values of this method, never used as a token."""
 
+    def state_after(self, version: object | None) -> tuple[bytes, Token] | None:
+        """The state as of ``version`` (what ``state_version`` or ``keeper_read`` gave) or
+        newer, and its token; None when there is none. A store may answer from what it
+        read last (etcd, when that is the version asked for); this default reads it."""
+        return self.get_state()
+
     def wait_for_state(self, token: Token | None, timeout: float, clock: Clock
                        ) -> bool | tuple[bytes, Token]:
         """Wait until the state's token differs from ``token`` (what ``get_state`` or
@@ -136,12 +118,6 @@ class StoreBackend(ABC):
         feed; a backend and its clones share one), so that the keeper acts on a change when
         it happens, not at its next tick. ``callback`` must return at once. Stores that
         cannot notify never call it (the default). Never raises."""
-
-    def state_after(self, version: object | None) -> tuple[bytes, Token] | None:
-        """The state as of ``version`` (what ``state_version`` or ``keeper_read`` gave) or
-        newer, and its token; None when there is none. A store may answer from what it
-        read last (etcd, when that is the version asked for); this default reads it."""
-        return self.get_state()
 
     @property
     def keeps_heads(self) -> bool:
@@ -193,6 +169,18 @@ class StoreBackend(ABC):
             return []
         return [(node, seat.to_bytes()) for node, seat in seats_of(state).items()]
 
+
+class JoinBook(ABC):
+    """An open round's join entries: one key per node under the round's prefix, counted
+    and waited on without being read.
+
+    Unless a method says otherwise, every method that talks to the store raises
+    :class:`~elastic_ext.rendezvous.errors.StoreUnavailableError` when no endpoint
+    answered within ``connect_timeout`` and
+    :class:`~elastic_ext.rendezvous.errors.StoreAuthError` when the store refused the
+    credentials or certificate (retrying will not help).
+    """
+
     @abstractmethod
     def join(self, generation: str, round_: int, node: str, entry: bytes) -> int:
         """Write ``node``'s join entry (``joins.JoinEntry``) under the open round: one
@@ -223,26 +211,26 @@ class StoreBackend(ABC):
     def drop_joins(self, generation: str, round_: int, nodes: Iterable[str]) -> None:
         """Delete ``nodes``' join entries of the round (dead or left out of it)."""
 
-    @abstractmethod
-    def write_verdict(self, verdict: bytes) -> None:
-        """Store the watching node's verdict (``keeper.Verdict``), replacing the last."""
 
-    @abstractmethod
-    def read_verdict(self) -> bytes | None:
-        """The last verdict written, or None."""
+class Heartbeats(ABC):
+    """Each agent's heartbeat (its session in the run) and the watching node's verdict on
+    the others.
 
-    def keeper_read(self, node: str, presence_port: int | None,
-                    watched: Sequence[str], due: bool = True) -> KeeperRead:
-        """One keeper tick's store work: ``beat``, then read ``state_version``, the
-        heartbeats of ``watched`` and the verdict. ``due``: False for a tick woken before
-        its time (a state change, a verdict), which a store may answer without a request.
-        Stores that can do better override it (etcd: the version and the verdict from
-        watches, so that a write made moments before shows once the watch delivered it,
-        milliseconds; a tick not due reuses the heartbeats last read and beats at the next;
-        with ``heartbeat=lease`` a keep-alive every third of its TTL and the heartbeats from
-        a watch too)."""
-        self.beat(node, presence_port)
-        return KeeperRead(self.state_version(), self.read_beats(watched), self.read_verdict())
+    Unless a method says otherwise, every method that talks to the store raises
+    :class:`~elastic_ext.rendezvous.errors.StoreUnavailableError` when no endpoint
+    answered within ``connect_timeout`` and
+    :class:`~elastic_ext.rendezvous.errors.StoreAuthError` when the store refused the
+    credentials or certificate (retrying will not help).
+    """
+
+    @property
+    def heartbeats_expire(self) -> bool:
+        """Whether a heartbeat key lives only as long as its agent renews it (etcd: it hangs
+        on the agent's lease, and etcd deletes it a TTL after the last keep-alive): its
+        presence is the heartbeat, and its value moves only when the agent announces itself
+        anew. False: the value is a counter that ``beat`` moves and the keeper must see
+        move (``liveness.Liveness``)."""
+        return False
 
     @abstractmethod
     def beat(self, node: str, presence_port: int | None = None) -> None:
@@ -260,8 +248,24 @@ class StoreBackend(ABC):
         """Each of ``nodes``' heartbeat value, None for a node that has none."""
 
     @abstractmethod
-    def remove_run(self) -> None:
-        """Delete every key of the run: the job is over and everybody has left."""
+    def write_verdict(self, verdict: bytes) -> None:
+        """Store the watching node's verdict (``keeper.Verdict``), replacing the last."""
+
+    @abstractmethod
+    def read_verdict(self) -> bytes | None:
+        """The last verdict written, or None."""
+
+
+class RoundStores(ABC):
+    """The c10d stores that torch's agent uses after a round closed (rank assignment, exit
+    barrier), one per round.
+
+    Unless a method says otherwise, every method that talks to the store raises
+    :class:`~elastic_ext.rendezvous.errors.StoreUnavailableError` when no endpoint
+    answered within ``connect_timeout`` and
+    :class:`~elastic_ext.rendezvous.errors.StoreAuthError` when the store refused the
+    credentials or certificate (retrying will not help).
+    """
 
     @abstractmethod
     def round_store(self, generation: str, round_: int) -> Store:
@@ -272,6 +276,54 @@ class StoreBackend(ABC):
     def drop_round_stores(self, generation: str, keep_from_round: int) -> None:
         """Delete the round stores of other generations and of rounds before
         ``keep_from_round``; a store that cannot enumerate keys keeps them for its life."""
+
+
+class StoreBackend(StateDocument, JoinBook, Heartbeats, RoundStores):
+    """One connection to one run's keys, as the four contracts above on one connection,
+    the way etcd's Go client embeds its ``KV``, ``Lease`` and ``Watcher`` interfaces: a
+    collaborator that needs one of them is typed against that one. Not shared between
+    threads: ``clone`` instead.
+
+    Unless a method says otherwise, every method that talks to the store raises
+    :class:`~elastic_ext.rendezvous.errors.StoreUnavailableError` when no endpoint
+    answered within ``connect_timeout`` and
+    :class:`~elastic_ext.rendezvous.errors.StoreAuthError` when the store refused the
+    credentials or certificate (retrying will not help).
+    """
+
+    @property
+    @abstractmethod
+    def name(self) -> str:
+        """The kind of store, for logs and events: ``etcd-v3`` or ``c10d-embedded``."""
+
+    @property
+    def outages_are_transient(self) -> bool:
+        """Whether an unreachable store may come back (an etcd cluster, whose members
+        recover or stand in for each other) or is gone for good (the embedded store died
+        with the agent that hosted it)."""
+        return True
+
+    @property
+    def hosts_store(self) -> bool:
+        """Whether this agent's own process serves the store (the embedded store's host)."""
+        return False
+
+    def keeper_read(self, node: str, presence_port: int | None,
+                    watched: Sequence[str], due: bool = True) -> KeeperRead:
+        """One keeper tick's store work: ``beat``, then read ``state_version``, the
+        heartbeats of ``watched`` and the verdict. ``due``: False for a tick woken before
+        its time (a state change, a verdict), which a store may answer without a request.
+        Stores that can do better override it (etcd: the version and the verdict from
+        watches, so that a write made moments before shows once the watch delivered it,
+        milliseconds; a tick not due reuses the heartbeats last read and beats at the next;
+        with ``heartbeat=lease`` a keep-alive every third of its TTL and the heartbeats from
+        a watch too)."""
+        self.beat(node, presence_port)
+        return KeeperRead(self.state_version(), self.read_beats(watched), self.read_verdict())
+
+    @abstractmethod
+    def remove_run(self) -> None:
+        """Delete every key of the run: the job is over and everybody has left."""
 
     @abstractmethod
     def list_runs(self) -> list[str]:
