@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from elastic_ext import _moved
+
 __version__ = "0.1.0"
+
+_moved.install()  # the import paths of before the layout by process still work
 
 _LAZY = {"ElasticLoop": "elastic_ext.worker.loop", "LoopSettings": "elastic_ext.worker.loop"}
 
