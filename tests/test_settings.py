@@ -1,5 +1,7 @@
 """--rdzv-conf and --rdzv-endpoint parsing: defaults, store choice, and clear errors."""
 
+import logging
+
 import pytest
 
 from elastic_ext.rendezvous.errors import ConfigError
@@ -53,14 +55,48 @@ def test_unknown_key_is_named_and_the_accepted_keys_listed():
         parse(conf={"heartbeats": "1"})
 
 
+def test_the_unknown_key_error_lists_every_accepted_key_but_not_the_old_name():
+    with pytest.raises(ConfigError) as info:
+        parse(conf={"heartbeat_modus": "lease"})
+    accepted = str(info.value).split("etcd-ext accepts: ", 1)[1].split(", ")
+    assert accepted == sorted(CONF_KEYS) and "heartbeat_mode" in accepted
+    assert "heartbeat" not in accepted  # still read, no longer advertised
+
+
 def test_the_heartbeat_mode_is_write_or_lease_and_lease_needs_etcd():
-    assert parse().heartbeat == "write"
-    assert parse(conf={"heartbeat": "lease"}).heartbeat == "lease"
+    assert parse().heartbeat_mode == "write"
+    assert parse(conf={"heartbeat_mode": "lease"}).heartbeat_mode == "lease"
+    assert parse(conf={"heartbeat_mode": "LEASE"}).heartbeat_mode == "lease"
+    with pytest.raises(ConfigError, match="heartbeat_mode='beat' must be write or lease"):
+        parse(conf={"heartbeat_mode": "beat"})
+    with pytest.raises(ConfigError,
+                       match="heartbeat_mode=lease needs etcd.*use heartbeat_mode=write"):
+        parse_settings(endpoint="c10d://127.0.0.1:29400", run_id="r", min_nodes=1,
+                       max_nodes=2, conf={"heartbeat_mode": "lease"})
+
+
+def test_the_old_heartbeat_key_still_works_with_one_deprecation_line(caplog):
+    with caplog.at_level(logging.WARNING, logger="elastic_ext.rendezvous.settings"):
+        assert parse(conf={"heartbeat": "lease"}).heartbeat_mode == "lease"
+    lines = [r for r in caplog.records if r.name == "elastic_ext.rendezvous.settings"]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    assert "heartbeat=lease is deprecated: write heartbeat_mode=lease" in lines[0].getMessage()
+    caplog.clear()
+    parse(conf={"heartbeat_mode": "lease"})
+    assert not [r for r in caplog.records if r.name == "elastic_ext.rendezvous.settings"]
+    # its errors quote the key the user wrote
     with pytest.raises(ConfigError, match="heartbeat='beat' must be write or lease"):
         parse(conf={"heartbeat": "beat"})
-    with pytest.raises(ConfigError, match="heartbeat=lease needs etcd"):
-        parse_settings(endpoint="c10d://127.0.0.1:29400", run_id="r", min_nodes=1,
-                       max_nodes=2, conf={"heartbeat": "lease"})
+    with pytest.raises(ConfigError, match="heartbeat=lease needs etcd.*use heartbeat=write"):
+        parse(endpoint="", conf={"heartbeat": "lease"})
+
+
+@pytest.mark.parametrize("old", ["write", "lease"])
+def test_the_old_and_the_new_heartbeat_key_together_are_refused_naming_both(old):
+    with pytest.raises(ConfigError, match="heartbeat and heartbeat_mode are both given; "
+                                          "heartbeat is the old name of heartbeat_mode: "
+                                          "give only heartbeat_mode"):
+        parse(conf={"heartbeat": old, "heartbeat_mode": "lease"})
 
 
 def test_password_on_the_command_line_is_refused():

@@ -1,11 +1,13 @@
 """``--rdzv-conf`` and ``--rdzv-endpoint`` parsed into frozen settings, or a clear error.
 
 Every accepted key is listed in ``CONF_KEYS``; the README's configuration table
-documents the same keys. Parsing is pure so it can be tested without a store.
+documents the same keys.
+Parsing is pure (one deprecation warning aside) so it can be tested without a store.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -15,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from elastic_ext.rendezvous.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_ETCD_PORT = 2379
 DEFAULT_C10D_PORT = 29400
@@ -39,9 +43,11 @@ CONF_KEYS: dict[str, tuple[str, str]] = {
                            "watcher's verdict tells every agent of a death at once; the "
                            "embedded store's agents read it at their next heartbeat)"),
     "heartbeat_timeout": ("3.0", "a node whose heartbeat has not changed for this long is dead"),
-    "heartbeat": ("write", "`write`: each agent writes its heartbeat every interval; `lease` "
-                           "(etcd only): it renews an etcd lease instead and the others watch "
-                           "its key (fewer requests; see docs/failure-model.md)"),
+    "heartbeat_mode": ("write", "`write`: each agent writes its heartbeat every interval; "
+                                "`lease` (etcd only): it renews an etcd lease instead and the "
+                                "others watch its key (fewer requests; see "
+                                "docs/failure-model.md); `heartbeat`, its old name, still "
+                                "works, with a warning"),
     "request_timeout": ("2.0", "seconds one etcd request may take before the next endpoint "
                                "is tried"),
     "connect_timeout": ("15", "seconds one store operation keeps retrying across endpoints; "
@@ -73,6 +79,9 @@ CONF_KEYS: dict[str, tuple[str, str]] = {
     "timeout": ("900", "set by torchrun from `--rdzv-timeout`; used as `join_timeout` "
                        "when that key is not given"),
 }
+
+RENAMED: dict[str, str] = {"heartbeat": "heartbeat_mode"}
+"""Old name -> new name: still accepted, with one warning, so existing jobs keep running."""
 
 _FORBIDDEN = {"password": "pass the password through `password_env` (an environment variable "
                           "name) or `password_file`, never on the command line"}
@@ -125,7 +134,7 @@ class Settings:
     metrics_port: int | None = None
     warm_start: bool = True
     warm_preload: tuple[str, ...] = ()
-    heartbeat: str = "write"  # or "lease" (etcd)
+    heartbeat_mode: str = "write"  # or "lease" (etcd)
 
     @property
     def run_prefix(self) -> str:
@@ -249,6 +258,19 @@ def _read_password(conf: Mapping[str, Any], user: str | None) -> str | None:
     return os.environ[env_name]
 
 
+def _renamed_key(conf: Mapping[str, Any], old: str, new: str) -> str:
+    """The name ``conf`` gives a renamed setting under (so errors quote the user's key);
+    the old name still works but says once what to write instead."""
+    if old not in conf:
+        return new
+    if new in conf:
+        raise ConfigError(f"--rdzv-conf {old} and {new} are both given; {old} is the old name "
+                          f"of {new}: give only {new}")
+    logger.warning("--rdzv-conf %s=%s is deprecated: write %s=%s (the same setting)",
+                   old, conf[old], new, conf[old])
+    return old
+
+
 def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int,
                    conf: Mapping[str, Any], local_addr: str | None = None,
                    default_max_restarts: int | None = None) -> Settings:
@@ -256,9 +278,10 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
     for key in conf:
         if key in _FORBIDDEN:
             raise ConfigError(f"--rdzv-conf {key}=... is not accepted: {_FORBIDDEN[key]}")
-        if key not in CONF_KEYS:
+        if key not in CONF_KEYS and key not in RENAMED:
             raise ConfigError(f"unknown --rdzv-conf key {key!r}; etcd-ext accepts: "
                               + ", ".join(sorted(CONF_KEYS)))
+    mode_key = _renamed_key(conf, "heartbeat", "heartbeat_mode")
     if min_nodes < 1 or max_nodes < min_nodes:
         raise ConfigError(f"--nnodes={min_nodes}:{max_nodes} is not a range: use MIN:MAX with "
                           "1 <= MIN <= MAX, e.g. --nnodes=2:4")
@@ -314,12 +337,12 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
     if timeouts.heartbeat > timeouts.join:
         raise ConfigError("--rdzv-conf heartbeat_timeout must not exceed join_timeout")
 
-    heartbeat = str(conf.get("heartbeat", "write")).lower()
-    if heartbeat not in {"write", "lease"}:
-        raise ConfigError(f"--rdzv-conf heartbeat={heartbeat!r} must be write or lease")
-    if heartbeat == "lease" and store != "etcd":
-        raise ConfigError("--rdzv-conf heartbeat=lease needs etcd (the embedded store has no "
-                          "leases); use heartbeat=write")
+    heartbeat_mode = str(conf.get(mode_key, "write")).lower()
+    if heartbeat_mode not in {"write", "lease"}:
+        raise ConfigError(f"--rdzv-conf {mode_key}={heartbeat_mode!r} must be write or lease")
+    if heartbeat_mode == "lease" and store != "etcd":
+        raise ConfigError(f"--rdzv-conf {mode_key}=lease needs etcd (the embedded store has no "
+                          f"leases); use {mode_key}=write")
 
     max_restarts = default_max_restarts
     if "max_restarts" in conf:
@@ -339,5 +362,5 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
         if str(conf.get("metrics_port", "")).strip() else None,
         warm_start=_on_off("warm_start", conf.get("warm_start", "on")),
         warm_preload=_module_list("warm_preload", str(conf.get("warm_preload", ""))),
-        heartbeat=heartbeat,
+        heartbeat_mode=heartbeat_mode,
     )
