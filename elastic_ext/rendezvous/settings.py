@@ -1,7 +1,7 @@
 """``--rdzv-conf`` and ``--rdzv-endpoint`` parsed into frozen settings, or a clear error.
 
 Every accepted key is listed in ``CONF_KEYS``; the README's configuration table
-documents the same keys.
+documents the same keys, and marks from ``TORCH_KEYS`` those torch's own backends share.
 Parsing is pure (one deprecation warning aside) so it can be tested without a store.
 """
 
@@ -80,8 +80,40 @@ CONF_KEYS: dict[str, tuple[str, str]] = {
                        "when that key is not given"),
 }
 
+TORCH_KEYS: dict[str, str] = {
+    "join_timeout": "same", "last_call_timeout": "same", "close_timeout": "same",
+    "heartbeat_interval": "as `keep_alive_interval`", "heartbeat_timeout": "other meaning",
+    "is_host": "same", "cacert": "same", "cert": "same", "key": "same", "timeout": "same",
+}
+"""The README table's torch column: how torch 2.13's own rendezvous code (the ``c10d`` and
+``etcd-v2`` handler, its c10d store, the legacy ``etcd`` backend, torchrun's launcher) reads
+our key: ``same`` name and meaning, under another name, or ``other meaning``, so that users
+know what carries over. Torch's ``heartbeat_timeout`` bounds one keep-alive write (a node is
+dead after ``keep_alive_interval`` x ``keep_alive_max_attempt``); ours is the death verdict."""
+
+ALIASES: dict[str, str] = {"keep_alive_interval": "heartbeat_interval"}
+"""Torch's name -> ours, same meaning: accepted so a torch ``--rdzv-conf`` carries over."""
+
 RENAMED: dict[str, str] = {"heartbeat": "heartbeat_mode"}
 """Old name -> new name: still accepted, with one warning, so existing jobs keep running."""
+
+_TORCH_ONLY: dict[str, str] = {
+    "keep_alive_max_attempt": "torch declares a node dead after keep_alive_interval x "
+                              "keep_alive_max_attempt without a keep-alive; etcd-ext after "
+                              "heartbeat_timeout seconds without a heartbeat: give "
+                              "heartbeat_timeout=SECONDS instead",
+    "read_timeout": "give request_timeout (seconds one etcd request may take) and "
+                    "connect_timeout (seconds one store operation keeps retrying) instead",
+    "protocol": "give an https:// endpoint or cacert instead",
+    "ca_cert": "give cacert instead",
+    "ssl_cert": "give cert instead",
+    "ssl_cert_key": "give key instead",
+    "etcd_prefix": "give key_prefix instead",
+    "store_type": "etcd-ext's stores are etcd and the embedded TCPStore: give store=etcd, "
+                  "c10d or auto instead",
+}
+"""Keys torch's own backends read and etcd-ext does not, with what to give instead: an error
+beats a silently ignored setting."""
 
 _FORBIDDEN = {"password": "pass the password through `password_env` (an environment variable "
                           "name) or `password_file`, never on the command line"}
@@ -271,6 +303,18 @@ def _renamed_key(conf: Mapping[str, Any], old: str, new: str) -> str:
     return old
 
 
+def _aliased_number(conf: Mapping[str, Any], key: str, alias: str, default: float, *,
+                    minimum: float) -> float:
+    """``key``, or torch's ``alias`` for it; given both, they must agree."""
+    if alias not in conf:
+        return _number(key, conf.get(key, default), minimum=minimum)
+    value = _number(alias, conf[alias], minimum=minimum)
+    if key in conf and _number(key, conf[key], minimum=minimum) != value:
+        raise ConfigError(f"--rdzv-conf {key}={conf[key]} and {alias}={conf[alias]} disagree; "
+                          f"{alias} is torch's name for {key}: give one of them")
+    return value
+
+
 def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int,
                    conf: Mapping[str, Any], local_addr: str | None = None,
                    default_max_restarts: int | None = None) -> Settings:
@@ -278,9 +322,12 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
     for key in conf:
         if key in _FORBIDDEN:
             raise ConfigError(f"--rdzv-conf {key}=... is not accepted: {_FORBIDDEN[key]}")
-        if key not in CONF_KEYS and key not in RENAMED:
+        if key in _TORCH_ONLY:
+            raise ConfigError(f"--rdzv-conf {key} is a key of torch's own rendezvous backends "
+                              f"that etcd-ext does not read: {_TORCH_ONLY[key]}")
+        if key not in CONF_KEYS and key not in ALIASES and key not in RENAMED:
             raise ConfigError(f"unknown --rdzv-conf key {key!r}; etcd-ext accepts: "
-                              + ", ".join(sorted(CONF_KEYS)))
+                              + ", ".join(sorted({*CONF_KEYS, *ALIASES})))
     mode_key = _renamed_key(conf, "heartbeat", "heartbeat_mode")
     if min_nodes < 1 or max_nodes < min_nodes:
         raise ConfigError(f"--nnodes={min_nodes}:{max_nodes} is not a range: use MIN:MAX with "
@@ -325,8 +372,8 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
         join=_number("join_timeout", join, minimum=1),
         last_call=_number("last_call_timeout", conf.get("last_call_timeout", 1.0), minimum=0),
         close=_number("close_timeout", conf.get("close_timeout", 10), minimum=0.1),
-        heartbeat_interval=_number("heartbeat_interval", conf.get(
-            "heartbeat_interval", DEFAULT_INTERVAL_S[store]), minimum=0.05),
+        heartbeat_interval=_aliased_number(conf, "heartbeat_interval", "keep_alive_interval",
+                                           DEFAULT_INTERVAL_S[store], minimum=0.05),
         heartbeat=_number("heartbeat_timeout", conf.get("heartbeat_timeout", 3.0), minimum=0.2),
         request=_number("request_timeout", conf.get("request_timeout", 2.0), minimum=0.05),
         connect=_number("connect_timeout", conf.get("connect_timeout", 15), minimum=0.1),
