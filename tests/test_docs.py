@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from elastic_ext.rendezvous.errors import ConfigError
-from elastic_ext.rendezvous.settings import CONF_KEYS, TORCH_KEYS, parse_settings
+from elastic_ext.rendezvous.settings import CONF_KEYS, parse_settings
+from elastic_ext.rendezvous.torch_conf import TORCH_KEYS
 
 ROOT = Path(__file__).parent.parent
 README_PATH = ROOT / "README.md"

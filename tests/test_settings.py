@@ -6,7 +6,8 @@ import re
 import pytest
 
 from elastic_ext.rendezvous.errors import ConfigError
-from elastic_ext.rendezvous.settings import ALIASES, CONF_KEYS, TORCH_KEYS, parse_settings
+from elastic_ext.rendezvous.settings import CONF_KEYS, parse_settings
+from elastic_ext.rendezvous.torch_conf import ALIASES, TORCH_KEYS
 
 
 def parse(endpoint="127.0.0.1:2379", conf=None, nnodes=(1, 2), **kw):

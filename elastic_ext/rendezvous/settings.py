@@ -1,7 +1,7 @@
 """``--rdzv-conf`` and ``--rdzv-endpoint`` parsed into frozen settings, or a clear error.
 
 Every accepted key is listed in ``CONF_KEYS``; the README's configuration table
-documents the same keys, and marks from ``TORCH_KEYS`` those torch's own backends share.
+documents the same keys, and marks those torch's own backends share (``torch_conf``).
 Parsing is pure (one deprecation warning aside) so it can be tested without a store.
 """
 
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_ext.rendezvous.errors import ConfigError
+from elastic_ext.rendezvous.torch_conf import ALIASES, TORCH_ONLY
 
 logger = logging.getLogger(__name__)
 
@@ -80,40 +81,8 @@ CONF_KEYS: dict[str, tuple[str, str]] = {
                        "when that key is not given"),
 }
 
-TORCH_KEYS: dict[str, str] = {
-    "join_timeout": "same", "last_call_timeout": "same", "close_timeout": "same",
-    "heartbeat_interval": "as `keep_alive_interval`", "heartbeat_timeout": "other meaning",
-    "is_host": "same", "cacert": "same", "cert": "same", "key": "same", "timeout": "same",
-}
-"""The README table's torch column: how torch 2.13's own rendezvous code (the ``c10d`` and
-``etcd-v2`` handler, its c10d store, the legacy ``etcd`` backend, torchrun's launcher) reads
-our key: ``same`` name and meaning, under another name, or ``other meaning``, so that users
-know what carries over. Torch's ``heartbeat_timeout`` bounds one keep-alive write (a node is
-dead after ``keep_alive_interval`` x ``keep_alive_max_attempt``); ours is the death verdict."""
-
-ALIASES: dict[str, str] = {"keep_alive_interval": "heartbeat_interval"}
-"""Torch's name -> ours, same meaning: accepted so a torch ``--rdzv-conf`` carries over."""
-
 RENAMED: dict[str, str] = {"heartbeat": "heartbeat_mode"}
 """Old name -> new name: still accepted, with one warning, so existing jobs keep running."""
-
-_TORCH_ONLY: dict[str, str] = {
-    "keep_alive_max_attempt": "torch declares a node dead after keep_alive_interval x "
-                              "keep_alive_max_attempt without a keep-alive; etcd-ext after "
-                              "heartbeat_timeout seconds without a heartbeat: give "
-                              "heartbeat_timeout=SECONDS instead",
-    "read_timeout": "give request_timeout (seconds one etcd request may take) and "
-                    "connect_timeout (seconds one store operation keeps retrying) instead",
-    "protocol": "give an https:// endpoint or cacert instead",
-    "ca_cert": "give cacert instead",
-    "ssl_cert": "give cert instead",
-    "ssl_cert_key": "give key instead",
-    "etcd_prefix": "give key_prefix instead",
-    "store_type": "etcd-ext's stores are etcd and the embedded TCPStore: give store=etcd, "
-                  "c10d or auto instead",
-}
-"""Keys torch's own backends read and etcd-ext does not, with what to give instead: an error
-beats a silently ignored setting."""
 
 _FORBIDDEN = {"password": "pass the password through `password_env` (an environment variable "
                           "name) or `password_file`, never on the command line"}
@@ -322,9 +291,9 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
     for key in conf:
         if key in _FORBIDDEN:
             raise ConfigError(f"--rdzv-conf {key}=... is not accepted: {_FORBIDDEN[key]}")
-        if key in _TORCH_ONLY:
+        if key in TORCH_ONLY:
             raise ConfigError(f"--rdzv-conf {key} is a key of torch's own rendezvous backends "
-                              f"that etcd-ext does not read: {_TORCH_ONLY[key]}")
+                              f"that etcd-ext does not read: {TORCH_ONLY[key]}")
         if key not in CONF_KEYS and key not in ALIASES and key not in RENAMED:
             raise ConfigError(f"unknown --rdzv-conf key {key!r}; etcd-ext accepts: "
                               + ", ".join(sorted({*CONF_KEYS, *ALIASES})))
