@@ -60,7 +60,7 @@ def store(request: pytest.FixtureRequest) -> Iterator[Store]:
 
         def make_etcd(run_id: str = "run1", key_prefix: str = "/elastic-ext") -> StoreBackend:
             return EtcdBackend(settings_for(endpoint, run_id, key_prefix=key_prefix,
-                                            heartbeat=heartbeat))
+                                            heartbeat_mode=heartbeat))
 
         def plant_etcd(run_id: str, raw: bytes) -> None:
             plant_etcd_state(settings_for(endpoint, run_id), raw)

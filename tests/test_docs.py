@@ -22,6 +22,7 @@ import pytest
 
 from elastic_ext.rendezvous.errors import ConfigError
 from elastic_ext.rendezvous.settings import CONF_KEYS, parse_settings
+from elastic_ext.rendezvous.torch_conf import TORCH_KEYS
 
 ROOT = Path(__file__).parent.parent
 README_PATH = ROOT / "README.md"
@@ -143,13 +144,15 @@ def relative_links(path: Path) -> list[str]:
 
 # ------------------------------------------------------------------- the configuration table
 def test_every_conf_key_is_in_the_readme_table_with_its_default_and_meaning() -> None:
-    rows = {key: (default, meaning) for key, default, meaning
-            in re.findall(r"^\| `(\w+)` \| ([^|]+) \| (.*) \|$", README, flags=re.M)}
+    rows = {key: (default, meaning, torch) for key, default, meaning, torch
+            in re.findall(r"^\| `(\w+)` \| ([^|]+) \| (.*) \|([^|]*)\|$", README, flags=re.M)}
     for key, (default, meaning) in CONF_KEYS.items():
         assert key in rows, f"README's configuration table lacks {key}"
         assert rows[key][0].strip() == (default or "—"), f"README's default for {key}"
         assert rows[key][1].strip() == meaning, \
             f"README's meaning of {key} is not CONF_KEYS' (settings.py): {meaning}"
+        assert rows[key][2].strip() == TORCH_KEYS.get(key, ""), \
+            f"README's torch column of {key} is not TORCH_KEYS' (settings.py)"
     table = section(README, "Configuration")
     documented = set(re.findall(r"^\| `(\w+)` \|", table, flags=re.M))
     assert documented <= set(CONF_KEYS), f"README documents keys the code does not accept: " \

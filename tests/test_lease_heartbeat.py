@@ -1,4 +1,4 @@
-"""``heartbeat=lease`` on a real etcd (issue 27): the lease is the heartbeat.
+"""``heartbeat_mode=lease`` on a real etcd (issue 27): the lease is the heartbeat.
 
 A frozen agent's key is gone within ``heartbeat_timeout`` (its lease expired) and comes
 back when it thaws; an etcd leader change expires nobody (the new leader extends every
@@ -40,7 +40,7 @@ def test_a_frozen_agents_lease_expires_within_the_heartbeat_timeout_and_it_comes
     endpoint = etcd.members[0].endpoint
     node = processes.spawn("n1", [sys.executable, str(BEATING_NODE), "n1", endpoint, "run1",
                                   "lease"], env=env(), cwd=REPO)
-    watcher = EtcdBackend(settings_for(endpoint, heartbeat="lease"))
+    watcher = EtcdBackend(settings_for(endpoint, heartbeat_mode="lease"))
     try:
         first = wait_until(lambda: watched(watcher, "n1"), 30, what="n1's leased heartbeat")
         time.sleep(2.5)  # longer than the TTL: the lease is renewed, not just granted
@@ -68,7 +68,7 @@ def with_continue(pid: int) -> None:
 @pytest.mark.timeout(180)
 def test_an_etcd_leader_change_expires_no_lease(etcd_cluster, caplog) -> None:
     caplog.set_level(logging.WARNING, logger="elastic_ext.rendezvous.stores.etcd.lease")
-    settings = settings_for(etcd_cluster.endpoints, heartbeat="lease", connect_timeout="15")
+    settings = settings_for(etcd_cluster.endpoints, heartbeat_mode="lease", connect_timeout="15")
     agent = EtcdBackend(settings)
     agent.beat("n1", 4242)
     client = EtcdClient(settings)
@@ -90,8 +90,8 @@ def test_an_idle_leased_keeper_asks_etcd_for_nothing_but_keep_alives(etcd) -> No
     """Issue 27's load target (1.2 requests per agent per second idle; written heartbeats
     cost 2): a keeper's tick reads from watches, and only the lease's own thread asks."""
     endpoint = etcd.members[0].endpoint
-    other = EtcdBackend(settings_for(endpoint, heartbeat="lease"))
-    agent = EtcdBackend(settings_for(endpoint, heartbeat="lease"))
+    other = EtcdBackend(settings_for(endpoint, heartbeat_mode="lease"))
+    agent = EtcdBackend(settings_for(endpoint, heartbeat_mode="lease"))
     try:
         other.beat("n1", 4242)
         agent.beat("me", 4343)

@@ -104,13 +104,13 @@ def test_status_and_list_on_etcd(etcd) -> None:
     assert report["members"] == [{"node": "n1", "address": "10.0.0.1:29500",
                                   "heartbeat_age_s": report["members"][0]["heartbeat_age_s"],
                                   "lease_held": False, "left": False, "rank": None}]
-    # a job with heartbeat=lease: its heartbeat is the agent's lease, held, no age (issue 27)
+    # a job with heartbeat_mode=lease: its heartbeat is the agent's lease, held, no age (issue 27)
     code, text = status("status", "--endpoint", endpoint, "--run-id", "job-b", "--json",
-                        "--rdzv-conf", "heartbeat=lease")
+                        "--rdzv-conf", "heartbeat_mode=lease")
     member = json.loads(text)["members"][0]
     assert code == 0 and member["heartbeat_age_s"] is None and member["lease_held"] is True
     code, text = status("status", "--endpoint", endpoint, "--run-id", "job-b",
-                        "--rdzv-conf", "heartbeat=lease")
+                        "--rdzv-conf", "heartbeat_mode=lease")
     assert code == 0 and "lease held" in text
 
 

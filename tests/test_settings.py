@@ -1,9 +1,13 @@
 """--rdzv-conf and --rdzv-endpoint parsing: defaults, store choice, and clear errors."""
 
+import logging
+import re
+
 import pytest
 
 from elastic_ext.rendezvous.errors import ConfigError
 from elastic_ext.rendezvous.settings import CONF_KEYS, parse_settings
+from elastic_ext.rendezvous.torch_conf import ALIASES, TORCH_KEYS
 
 
 def parse(endpoint="127.0.0.1:2379", conf=None, nnodes=(1, 2), **kw):
@@ -53,14 +57,82 @@ def test_unknown_key_is_named_and_the_accepted_keys_listed():
         parse(conf={"heartbeats": "1"})
 
 
+def test_the_unknown_key_error_lists_every_accepted_key_the_alias_but_not_the_old_name():
+    with pytest.raises(ConfigError) as info:
+        parse(conf={"heartbeat_modus": "lease"})
+    accepted = str(info.value).split("etcd-ext accepts: ", 1)[1].split(", ")
+    assert accepted == sorted({*CONF_KEYS, *ALIASES})
+    assert "heartbeat_mode" in accepted and "keep_alive_interval" in accepted
+    assert "heartbeat" not in accepted  # still read, no longer advertised
+
+
 def test_the_heartbeat_mode_is_write_or_lease_and_lease_needs_etcd():
-    assert parse().heartbeat == "write"
-    assert parse(conf={"heartbeat": "lease"}).heartbeat == "lease"
+    assert parse().heartbeat_mode == "write"
+    assert parse(conf={"heartbeat_mode": "lease"}).heartbeat_mode == "lease"
+    assert parse(conf={"heartbeat_mode": "LEASE"}).heartbeat_mode == "lease"
+    with pytest.raises(ConfigError, match="heartbeat_mode='beat' must be write or lease"):
+        parse(conf={"heartbeat_mode": "beat"})
+    with pytest.raises(ConfigError,
+                       match="heartbeat_mode=lease needs etcd.*use heartbeat_mode=write"):
+        parse_settings(endpoint="c10d://127.0.0.1:29400", run_id="r", min_nodes=1,
+                       max_nodes=2, conf={"heartbeat_mode": "lease"})
+
+
+def test_the_old_heartbeat_key_still_works_with_one_deprecation_line(caplog):
+    with caplog.at_level(logging.WARNING, logger="elastic_ext.rendezvous.settings"):
+        assert parse(conf={"heartbeat": "lease"}).heartbeat_mode == "lease"
+    lines = [r for r in caplog.records if r.name == "elastic_ext.rendezvous.settings"]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    assert "heartbeat=lease is deprecated: write heartbeat_mode=lease" in lines[0].getMessage()
+    caplog.clear()
+    parse(conf={"heartbeat_mode": "lease"})
+    assert not [r for r in caplog.records if r.name == "elastic_ext.rendezvous.settings"]
+    # its errors quote the key the user wrote
     with pytest.raises(ConfigError, match="heartbeat='beat' must be write or lease"):
         parse(conf={"heartbeat": "beat"})
-    with pytest.raises(ConfigError, match="heartbeat=lease needs etcd"):
-        parse_settings(endpoint="c10d://127.0.0.1:29400", run_id="r", min_nodes=1,
-                       max_nodes=2, conf={"heartbeat": "lease"})
+    with pytest.raises(ConfigError, match="heartbeat=lease needs etcd.*use heartbeat=write"):
+        parse(endpoint="", conf={"heartbeat": "lease"})
+
+
+@pytest.mark.parametrize("old", ["write", "lease"])
+def test_the_old_and_the_new_heartbeat_key_together_are_refused_naming_both(old):
+    with pytest.raises(ConfigError, match="heartbeat and heartbeat_mode are both given; "
+                                          "heartbeat is the old name of heartbeat_mode: "
+                                          "give only heartbeat_mode"):
+        parse(conf={"heartbeat": old, "heartbeat_mode": "lease"})
+
+
+def test_torchs_keep_alive_interval_is_the_heartbeat_interval():
+    assert parse(conf={"keep_alive_interval": "0.5"}).timeouts.heartbeat_interval == 0.5
+    agree = {"keep_alive_interval": "2", "heartbeat_interval": "2.0", "heartbeat_timeout": "6"}
+    assert parse(conf=agree).timeouts.heartbeat_interval == 2.0
+    with pytest.raises(ConfigError, match="heartbeat_interval=1 and keep_alive_interval=2 "
+                                          "disagree; keep_alive_interval is torch's name for "
+                                          "heartbeat_interval: give one of them"):
+        parse(conf={"heartbeat_interval": "1", "keep_alive_interval": "2",
+                    "heartbeat_timeout": "6"})
+    with pytest.raises(ConfigError, match="keep_alive_interval='0' must be a finite number"):
+        parse(conf={"keep_alive_interval": "0"})
+
+
+@pytest.mark.parametrize("key,instead", [
+    ("keep_alive_max_attempt", "give heartbeat_timeout=SECONDS instead"),
+    ("read_timeout", "give request_timeout"), ("protocol", "https:// endpoint or cacert"),
+    ("ca_cert", "give cacert instead"), ("ssl_cert", "give cert instead"),
+    ("ssl_cert_key", "give key instead"), ("etcd_prefix", "give key_prefix instead"),
+    ("store_type", "give store=etcd, c10d or auto instead"),
+])
+def test_torch_keys_etcd_ext_does_not_read_are_refused_naming_what_to_give(key, instead):
+    with pytest.raises(ConfigError, match=f"--rdzv-conf {key} is a key of torch's own "
+                                          f"rendezvous backends that etcd-ext does not read: "
+                                          f".*{re.escape(instead)}"):
+        parse(conf={key: "3"})
+
+
+def test_the_torch_column_names_only_keys_we_accept():
+    assert set(TORCH_KEYS) <= set(CONF_KEYS)
+    assert set(ALIASES.values()) <= set(CONF_KEYS) and not set(ALIASES) & set(CONF_KEYS)
+    assert all(f"`{alias}`" in TORCH_KEYS[key] for alias, key in ALIASES.items())
 
 
 def test_password_on_the_command_line_is_refused():

@@ -60,8 +60,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-__all__ = ["SETTINGS", "Action", "Fault", "Scenario", "ScenarioError", "Settings", "Trigger",
-           "parse"]
+__all__ = ["SETTINGS", "Action", "Fault", "Scenario", "ScenarioError", "ScenarioSettings",
+           "Trigger", "parse"]
 
 
 NETNS_VERBS = ("partition", "cut-peers", "drop")
@@ -74,8 +74,9 @@ class ScenarioError(ValueError):
 
 # ------------------------------------------------------------------------------ settings
 @dataclass(frozen=True)
-class Settings:
-    """The job a scenario runs: nodes, store, and the trainer's knobs."""
+class ScenarioSettings:
+    """The job a scenario runs: nodes, store, and the trainer's knobs. Not named ``Settings``:
+    that is the rendezvous' parsed ``--rdzv-conf`` (``elastic_ext.rendezvous.settings``)."""
 
     nodes: int = 3
     nnodes: str = "2:3"
@@ -156,7 +157,7 @@ def _size(text: str) -> str:
 
 
 SETTINGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
-    # scenario key: (Settings field, parser, help)
+    # scenario key: (ScenarioSettings field, parser, help)
     "nodes": ("nodes", _positive_int, "nodes started at the beginning"),
     "nnodes": ("nnodes", _nnodes, "torchrun's --nnodes MIN:MAX"),
     "nproc-per-node": ("nproc_per_node", _positive_int, "workers per node"),
@@ -176,7 +177,7 @@ SETTINGS: dict[str, tuple[str, Callable[[str], Any], str]] = {
 }
 
 
-def apply_setting(settings: Settings, key: str, value: str) -> Settings:
+def apply_setting(settings: ScenarioSettings, key: str, value: str) -> ScenarioSettings:
     """``settings`` with ``key`` (a scenario key) set from its text; ValueError names the key."""
     if key not in SETTINGS:
         raise ScenarioError(f"unknown setting {key!r}; known: {', '.join(SETTINGS)}")
@@ -252,7 +253,7 @@ class Fault:
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    settings: Settings
+    settings: ScenarioSettings
     faults: tuple[Fault, ...]
     text: str = field(default="", compare=False)
 
@@ -328,7 +329,7 @@ def _match(table: list[tuple[re.Pattern[str], Callable[[re.Match[str]], Any]]], 
 
 def parse(text: str, name: str = "scenario") -> Scenario:
     """Parse a scenario; :class:`ScenarioError` names the first bad line and says why."""
-    settings = Settings()
+    settings = ScenarioSettings()
     faults: list[Fault] = []
     for number, raw in enumerate(text.splitlines(), start=1):
         line = " ".join(raw.split("#", 1)[0].split())
@@ -366,7 +367,7 @@ def parse(text: str, name: str = "scenario") -> Scenario:
     return Scenario(name, settings, tuple(faults), text)
 
 
-def _validate(settings: Settings, faults: tuple[Fault, ...] | list[Fault],
+def _validate(settings: ScenarioSettings, faults: tuple[Fault, ...] | list[Fault],
               name: str = "scenario") -> None:
     """What a line cannot tell alone: an action the chosen store or node range cannot give."""
     def fail(fault: Fault | None, message: str) -> None:
@@ -399,5 +400,5 @@ def _validate(settings: Settings, faults: tuple[Fault, ...] | list[Fault],
 
 def settings_help() -> list[tuple[str, str, str]]:
     """``(key, default, help)`` for every setting, for the CLI's ``--help-format``."""
-    defaults = {f.name: f.default for f in fields(Settings)}
+    defaults = {f.name: f.default for f in fields(ScenarioSettings)}
     return [(key, str(defaults[name]), text) for key, (name, _, text) in SETTINGS.items()]

@@ -37,7 +37,7 @@ from elastic_ext.chaos.scenario import (
     NETNS_VERBS,
     Scenario,
     ScenarioError,
-    Settings,
+    ScenarioSettings,
     apply_setting,
     parse,
 )
@@ -260,7 +260,7 @@ def plan(seed: int, duration_s: float, *, every: tuple[float, float] = (20.0, 40
     low, high = every
     if not MIN_GAP_S <= low <= high:
         raise ScheduleError(f"--every: gaps must be at least {MIN_GAP_S:g}s, shorter first")
-    settings = Settings()
+    settings = ScenarioSettings()
     for key, value in overrides.items():
         try:
             settings = apply_setting(settings, key, value)

@@ -1,11 +1,13 @@
 """``--rdzv-conf`` and ``--rdzv-endpoint`` parsed into frozen settings, or a clear error.
 
 Every accepted key is listed in ``CONF_KEYS``; the README's configuration table
-documents the same keys. Parsing is pure so it can be tested without a store.
+documents the same keys, and marks those torch's own backends share (``torch_conf``).
+Parsing is pure (one deprecation warning aside) so it can be tested without a store.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -15,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from elastic_ext.rendezvous.errors import ConfigError
+from elastic_ext.rendezvous.torch_conf import ALIASES, TORCH_ONLY
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_ETCD_PORT = 2379
 DEFAULT_C10D_PORT = 29400
@@ -39,9 +44,11 @@ CONF_KEYS: dict[str, tuple[str, str]] = {
                            "watcher's verdict tells every agent of a death at once; the "
                            "embedded store's agents read it at their next heartbeat)"),
     "heartbeat_timeout": ("3.0", "a node whose heartbeat has not changed for this long is dead"),
-    "heartbeat": ("write", "`write`: each agent writes its heartbeat every interval; `lease` "
-                           "(etcd only): it renews an etcd lease instead and the others watch "
-                           "its key (fewer requests; see docs/failure-model.md)"),
+    "heartbeat_mode": ("write", "`write`: each agent writes its heartbeat every interval; "
+                                "`lease` (etcd only): it renews an etcd lease instead and the "
+                                "others watch its key (fewer requests; see "
+                                "docs/failure-model.md); `heartbeat`, its old name, still "
+                                "works, with a warning"),
     "request_timeout": ("2.0", "seconds one etcd request may take before the next endpoint "
                                "is tried"),
     "connect_timeout": ("15", "seconds one store operation keeps retrying across endpoints; "
@@ -73,6 +80,9 @@ CONF_KEYS: dict[str, tuple[str, str]] = {
     "timeout": ("900", "set by torchrun from `--rdzv-timeout`; used as `join_timeout` "
                        "when that key is not given"),
 }
+
+RENAMED: dict[str, str] = {"heartbeat": "heartbeat_mode"}
+"""Old name -> new name: still accepted, with one warning, so existing jobs keep running."""
 
 _FORBIDDEN = {"password": "pass the password through `password_env` (an environment variable "
                           "name) or `password_file`, never on the command line"}
@@ -125,7 +135,7 @@ class Settings:
     metrics_port: int | None = None
     warm_start: bool = True
     warm_preload: tuple[str, ...] = ()
-    heartbeat: str = "write"  # or "lease" (etcd)
+    heartbeat_mode: str = "write"  # or "lease" (etcd)
 
     @property
     def run_prefix(self) -> str:
@@ -249,6 +259,31 @@ def _read_password(conf: Mapping[str, Any], user: str | None) -> str | None:
     return os.environ[env_name]
 
 
+def _renamed_key(conf: Mapping[str, Any], old: str, new: str) -> str:
+    """The name ``conf`` gives a renamed setting under (so errors quote the user's key);
+    the old name still works but says once what to write instead."""
+    if old not in conf:
+        return new
+    if new in conf:
+        raise ConfigError(f"--rdzv-conf {old} and {new} are both given; {old} is the old name "
+                          f"of {new}: give only {new}")
+    logger.warning("--rdzv-conf %s=%s is deprecated: write %s=%s (the same setting)",
+                   old, conf[old], new, conf[old])
+    return old
+
+
+def _aliased_number(conf: Mapping[str, Any], key: str, alias: str, default: float, *,
+                    minimum: float) -> float:
+    """``key``, or torch's ``alias`` for it; given both, they must agree."""
+    if alias not in conf:
+        return _number(key, conf.get(key, default), minimum=minimum)
+    value = _number(alias, conf[alias], minimum=minimum)
+    if key in conf and _number(key, conf[key], minimum=minimum) != value:
+        raise ConfigError(f"--rdzv-conf {key}={conf[key]} and {alias}={conf[alias]} disagree; "
+                          f"{alias} is torch's name for {key}: give one of them")
+    return value
+
+
 def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int,
                    conf: Mapping[str, Any], local_addr: str | None = None,
                    default_max_restarts: int | None = None) -> Settings:
@@ -256,9 +291,13 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
     for key in conf:
         if key in _FORBIDDEN:
             raise ConfigError(f"--rdzv-conf {key}=... is not accepted: {_FORBIDDEN[key]}")
-        if key not in CONF_KEYS:
+        if key in TORCH_ONLY:
+            raise ConfigError(f"--rdzv-conf {key} is a key of torch's own rendezvous backends "
+                              f"that etcd-ext does not read: {TORCH_ONLY[key]}")
+        if key not in CONF_KEYS and key not in ALIASES and key not in RENAMED:
             raise ConfigError(f"unknown --rdzv-conf key {key!r}; etcd-ext accepts: "
-                              + ", ".join(sorted(CONF_KEYS)))
+                              + ", ".join(sorted({*CONF_KEYS, *ALIASES})))
+    mode_key = _renamed_key(conf, "heartbeat", "heartbeat_mode")
     if min_nodes < 1 or max_nodes < min_nodes:
         raise ConfigError(f"--nnodes={min_nodes}:{max_nodes} is not a range: use MIN:MAX with "
                           "1 <= MIN <= MAX, e.g. --nnodes=2:4")
@@ -302,8 +341,8 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
         join=_number("join_timeout", join, minimum=1),
         last_call=_number("last_call_timeout", conf.get("last_call_timeout", 1.0), minimum=0),
         close=_number("close_timeout", conf.get("close_timeout", 10), minimum=0.1),
-        heartbeat_interval=_number("heartbeat_interval", conf.get(
-            "heartbeat_interval", DEFAULT_INTERVAL_S[store]), minimum=0.05),
+        heartbeat_interval=_aliased_number(conf, "heartbeat_interval", "keep_alive_interval",
+                                           DEFAULT_INTERVAL_S[store], minimum=0.05),
         heartbeat=_number("heartbeat_timeout", conf.get("heartbeat_timeout", 3.0), minimum=0.2),
         request=_number("request_timeout", conf.get("request_timeout", 2.0), minimum=0.05),
         connect=_number("connect_timeout", conf.get("connect_timeout", 15), minimum=0.1),
@@ -314,12 +353,12 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
     if timeouts.heartbeat > timeouts.join:
         raise ConfigError("--rdzv-conf heartbeat_timeout must not exceed join_timeout")
 
-    heartbeat = str(conf.get("heartbeat", "write")).lower()
-    if heartbeat not in {"write", "lease"}:
-        raise ConfigError(f"--rdzv-conf heartbeat={heartbeat!r} must be write or lease")
-    if heartbeat == "lease" and store != "etcd":
-        raise ConfigError("--rdzv-conf heartbeat=lease needs etcd (the embedded store has no "
-                          "leases); use heartbeat=write")
+    heartbeat_mode = str(conf.get(mode_key, "write")).lower()
+    if heartbeat_mode not in {"write", "lease"}:
+        raise ConfigError(f"--rdzv-conf {mode_key}={heartbeat_mode!r} must be write or lease")
+    if heartbeat_mode == "lease" and store != "etcd":
+        raise ConfigError(f"--rdzv-conf {mode_key}=lease needs etcd (the embedded store has no "
+                          f"leases); use {mode_key}=write")
 
     max_restarts = default_max_restarts
     if "max_restarts" in conf:
@@ -339,5 +378,5 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
         if str(conf.get("metrics_port", "")).strip() else None,
         warm_start=_on_off("warm_start", conf.get("warm_start", "on")),
         warm_preload=_module_list("warm_preload", str(conf.get("warm_preload", ""))),
-        heartbeat=heartbeat,
+        heartbeat_mode=heartbeat_mode,
     )

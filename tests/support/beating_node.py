@@ -4,7 +4,7 @@ tests of the watcher.
 
     python tests/support/beating_node.py NODE ENDPOINT RUN_ID [HEARTBEAT]
 
-HEARTBEAT is ``write`` (the default) or ``lease`` (``--rdzv-conf heartbeat=``).
+HEARTBEAT is ``write`` (the default) or ``lease`` (``--rdzv-conf heartbeat_mode=``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def main() -> None:
     node, endpoint, run_id = sys.argv[1:4]
     heartbeat = sys.argv[4] if len(sys.argv) > 4 else "write"
     settings = parse_settings(endpoint=endpoint, run_id=run_id, min_nodes=1, max_nodes=64,
-                              conf={"heartbeat": heartbeat})
+                              conf={"heartbeat_mode": heartbeat})
     backend = EtcdBackend.connect(settings)
     listener = PresenceListener()
     while True:

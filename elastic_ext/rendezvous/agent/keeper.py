@@ -8,7 +8,7 @@ failed. It never blocks the agent: the agent reads the keeper's last verdict.
 
 One keeper judges everyone (the watcher: ``joins.closer_of``) and publishes its
 ``liveness.Verdict``; the others read it when the watcher's heartbeat moves, and judge
-only the watcher (with ``heartbeat=lease`` on etcd, a heartbeat is a lease keep-alive and
+only the watcher (with ``heartbeat_mode=lease`` on etcd, a heartbeat is a lease keep-alive and
 the keys arrive by a watch: ``etcd_backend``). On any store the keeper holds a connection
 to each watched node's presence port and reads a killed agent's end from it (``presence``).
 

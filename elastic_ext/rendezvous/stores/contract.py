@@ -316,8 +316,8 @@ class StoreBackend(StateDocument, JoinBook, Heartbeats, RoundStores):
         Stores that can do better override it (etcd: the version and the verdict from
         watches, so that a write made moments before shows once the watch delivered it,
         milliseconds; a tick not due reuses the heartbeats last read and beats at the next;
-        with ``heartbeat=lease`` a keep-alive every third of its TTL and the heartbeats from
-        a watch too)."""
+        with ``heartbeat_mode=lease`` a keep-alive every third of its TTL and the heartbeats
+        from a watch too)."""
         self.beat(node, presence_port)
         return KeeperRead(self.state_version(), self.read_beats(watched), self.read_verdict())
 

@@ -7,7 +7,7 @@ Layout under ``<key_prefix>/<run_id>/``: ``state`` (written by compare-and-swap 
 <round>/<node>``, ``verdict`` and ``store/<generation>/<round>/`` (torch's round store).
 Waits are watches (``etcd_watch``): of the head (a few hundred bytes where the state is
 29 KB at 1,024 nodes) and of the verdict. A keeper's tick is one transaction, none when
-woken early, or with ``heartbeat=lease`` none at all: the lease renews itself.
+woken early, or with ``heartbeat_mode=lease`` none at all: the lease renews itself.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class EtcdBackend(StoreBackend):
         self._state_key = self._prefix + STATE_KEY
         self._head_key = self._prefix + HEAD_KEY
         self._hb_prefix = self._prefix + "hb/"
-        self._leased = settings.heartbeat == "lease"
+        self._leased = settings.heartbeat_mode == "lease"
         self._lease = lease or AgentLease(
             self._client, self._hb_prefix, lease_ttl(settings.timeouts.heartbeat,
                                                       is_heartbeat=self._leased),
@@ -253,7 +253,7 @@ class EtcdBackend(StoreBackend):
                             self.FEED_CATCH_UP_S)
 
     @property
-    def heartbeats_expire(self) -> bool:  # with ``heartbeat=lease``
+    def heartbeats_expire(self) -> bool:  # with ``heartbeat_mode=lease``
         return self._leased
 
     def write_verdict(self, verdict: bytes) -> None:
@@ -269,7 +269,7 @@ class EtcdBackend(StoreBackend):
         """One transaction: the beat and the watched heartbeats (one range over all when
         many are watched); the version and the verdict by watches. A tick not ``due`` (every
         keeper woken by a state write or a verdict) sends nothing, reusing the heartbeats
-        last read. With ``heartbeat=lease`` no request at most ticks (``_watched_read``)."""
+        last read. With ``heartbeat_mode=lease`` no request at most ticks (``_watched_read``)."""
         if self._leased:
             return self._watched_read(node, presence_port, watched)
         last = self._beats_read
@@ -308,7 +308,7 @@ class EtcdBackend(StoreBackend):
 
     def _watched_read(self, node: str, presence_port: int | None,
                       watched: Sequence[str]) -> KeeperRead:
-        """``heartbeat=lease``: no request at most ticks (the lease renews itself): the
+        """``heartbeat_mode=lease``: no request at most ticks (the lease renews itself): the
         state's version, the verdict and the heartbeats from watches (of the one key
         watched, or of all of them when more are)."""
         self._lease.retry(lambda: self._lease.ensure(node, presence_port, put_beat=True))

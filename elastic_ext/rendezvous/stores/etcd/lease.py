@@ -2,9 +2,9 @@
 
 One per agent, shared by its backend and the backend's clones (``etcd_backend``). A thread
 of its own renews it every third of its TTL, never late behind a keeper tick's reads and
-writes. With ``heartbeat=lease`` the lease *is* the heartbeat (issue 27): its TTL is chosen
+writes. With ``heartbeat_mode=lease`` the lease *is* the heartbeat (issue 27): its TTL is chosen
 so that a frozen agent's key is gone within ``heartbeat_timeout``, and the others watch the
-key; with ``heartbeat=write`` the keeper writes a new value every interval and the lease
+key; with ``heartbeat_mode=write`` the keeper writes a new value every interval and the lease
 only tidies up after an agent that died (a TTL of 4 heartbeat timeouts, 10 s at least).
 """
 
