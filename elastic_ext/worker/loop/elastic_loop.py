@@ -55,7 +55,7 @@ from elastic_ext.worker.distributed import (
     init_process_group,
 )
 from elastic_ext.worker.loop.data import DataPosition, next_batch, shard
-from elastic_ext.worker.loop.events import MetricsLog
+from elastic_ext.worker.loop.metrics_file import MetricsLog
 from elastic_ext.worker.loop.sampler import StepSampler
 from elastic_ext.worker.preemption import GuardSettings, PreemptionGuard, exit_now
 from elastic_ext.worker.snapshot import (
@@ -92,7 +92,7 @@ class LoopSettings:
     preempt_grace_s: float = 30.0
     hold_timeout_s: float = 60.0
     metrics: Path | None = None
-    """The JSON-lines events file (``elastic_ext.worker.loop.events``), appended by global
+    """The JSON-lines events file (``elastic_ext.worker.loop.metrics_file``), appended by global
     rank 0."""
 
 
