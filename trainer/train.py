@@ -145,11 +145,11 @@ class Trainer:
         self.env = DistEnv.from_environ()
         try:
             self.loop = ElasticLoop(LoopSettings(
-                snapshot_dir=s.snapshot_dir, snapshot_every=s.snapshot_every, keep=s.keep,
-                total_steps=s.steps, device=s.device, backend=s.backend,
+                snapshot_dir=s.snapshot_dir, snapshot_every=s.snapshot_every, keep_snapshots=s.keep,
+                total_steps=s.steps, device=s.device, collective_backend=s.backend,
                 collective_timeout_s=s.collective_timeout, stop_grace_s=s.stop_grace,
                 preempt_grace_s=s.preempt_grace, hold_timeout_s=s.hold_timeout,
-                metrics=s.metrics), on_event=self._on_event, main_at=main_at)
+                events_file=s.metrics), on_event=self._on_event, main_at=main_at)
         except ValueError as exc:
             raise SystemExit(f"trainer: {exc}") from None
         self.device = self.loop.device

@@ -25,7 +25,7 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     directory = Path(spec["dir"])
     loop = ElasticLoop(LoopSettings(snapshot_dir=directory / "snapshots", snapshot_every=3,
-                                    metrics=directory / "metrics.jsonl"))
+                                    events_file=directory / "metrics.jsonl"))
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loop.restore(model=model, optimizer=optimizer)

@@ -28,16 +28,18 @@ agent. Anything else is raised as usual.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, InitVar, dataclass, fields
 from functools import partial
 from pathlib import Path
 from types import TracebackType
@@ -74,26 +76,99 @@ EventHook = Callable[[str, int, Mapping[str, Any]], None]
 """Called with every event the loop logs (``event``, ``step``, its fields), on every rank."""
 
 
+class _Unset(enum.Enum):
+    """The default of a deprecated keyword: tells "not given" from any value, None included."""
+
+    TOKEN = "not given"
+
+
+_RENAMED = {"metrics": "events_file", "backend": "collective_backend", "keep": "keep_snapshots"}
+"""LoopSettings' old keyword names and their new ones."""
+
+_TIMEOUTS = ("collective_timeout_s", "stop_grace_s", "preempt_grace_s", "hold_timeout_s")
+
+
 @dataclass(frozen=True)
 class LoopSettings:
-    """What a loop chooses; the bundled trainer's flags of the same names set them."""
+    """What a loop chooses; the bundled trainer's flags of the similar names set them.
+
+    The timeouts are checked against each other here, not when a signal comes.
+
+    Raises:
+        ValueError: a timeout that is not a positive number of seconds, or timeouts that
+            cannot work together (the message names the fields and the fix).
+        TypeError: a field given under both its old and its new name.
+    """
 
     snapshot_dir: Path | None = None
     """Where global rank 0 writes durable snapshots (node-local is fine); None: none."""
     snapshot_every: int = 0
     """A background snapshot every K steps (0: only on a stop and at the end)."""
-    keep: int = 3
+    keep_snapshots: int = 3
+    """How many durable snapshots stay in ``snapshot_dir``; older ones are removed."""
     total_steps: int | None = None
     """The last step, if known: its snapshot is the final durable one, not a background one."""
     device: DeviceChoice = "auto"
-    backend: BackendChoice = "auto"
+    """Where to train: ``cuda:LOCAL_RANK``, the CPU, or ``auto`` (a GPU when there is one)."""
+    collective_backend: BackendChoice = "auto"
+    """The process group's backend: ``nccl``, ``gloo`` or ``auto`` (NCCL on a GPU, gloo on
+    the CPU); not torchrun's ``--rdzv-backend``, which is etcd-ext's rendezvous."""
     collective_timeout_s: float = 60.0
+    """Seconds before a collective with a silent peer fails (in the training thread)."""
     stop_grace_s: float = 3.0
+    """After SIGTERM/SIGINT, seconds to reach the step boundary before the watchdog ends the
+    worker without a snapshot (keeping the last step in node memory)."""
     preempt_grace_s: float = 30.0
+    """The same after a preemption notice (SIGUSR2): the step may be slow; keep it below
+    torchrun's ``--shutdown-timeout``. At least ``stop_grace_s``."""
     hold_timeout_s: float = 60.0
-    metrics: Path | None = None
-    """The JSON-lines events file (``elastic_ext.worker.loop.metrics_file``), appended by global
-    rank 0."""
+    """Seconds a worker waits for its own signal after a stop it learned from the others, or
+    for its etcd-ext agent after reporting a peer's fault, before it exits non-zero."""
+    events_file: Path | None = None
+    """The JSON-lines events file (``elastic_ext.worker.loop.metrics_file``), appended by
+    global rank 0; None: none."""
+    _: KW_ONLY
+    metrics: InitVar[Path | None | _Unset] = _Unset.TOKEN
+    """Deprecated: ``events_file``."""
+    backend: InitVar[BackendChoice | _Unset] = _Unset.TOKEN
+    """Deprecated: ``collective_backend``."""
+    keep: InitVar[int | _Unset] = _Unset.TOKEN
+    """Deprecated: ``keep_snapshots``."""
+
+    def __post_init__(self, metrics: Path | None | _Unset, backend: BackendChoice | _Unset,
+                      keep: int | _Unset) -> None:
+        """Take the old keyword names (with a warning) and check the timeouts."""
+        for old, value in (("metrics", metrics), ("backend", backend), ("keep", keep)):
+            if value is _Unset.TOKEN:
+                continue
+            new = _RENAMED[old]
+            if getattr(self, new) != _DEFAULTS[new]:
+                raise TypeError(f"LoopSettings got both {old}= and {new}=: give {new} only "
+                                f"({old} is its old name)")
+            warnings.warn(f"LoopSettings({old}=...) is deprecated: use {new}=",
+                          DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, new, value)
+        self._check_timeouts()
+
+    def _check_timeouts(self) -> None:
+        """Reject timeouts the guard could not honour, naming the fields and the fix."""
+        for name in _TIMEOUTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not value > 0:
+                raise ValueError(f"LoopSettings.{name}={value!r} must be a positive number "
+                                 "of seconds")
+        if self.stop_grace_s > self.preempt_grace_s:
+            raise ValueError(
+                f"LoopSettings.stop_grace_s={self.stop_grace_s:g} is longer than "
+                f"preempt_grace_s={self.preempt_grace_s:g}: a preemption notice (SIGUSR2) warns "
+                "of the stop ahead of it, and when both come the earlier deadline ends the "
+                "worker, so the notice's grace must be at least the stop's; raise "
+                f"preempt_grace_s to at least {self.stop_grace_s:g} or lower stop_grace_s")
+
+
+_DEFAULTS = {f.name: f.default for f in fields(LoopSettings)}
+"""Each field's default, to tell a new name given alongside its old one."""
 
 
 def _under_launcher() -> bool:
@@ -117,14 +192,15 @@ class ElasticLoop:
                                                    hold_timeout_s=s.hold_timeout_s)).install()
         self.device = choose_device(s.device)
         init_process_group(timeout_s=s.collective_timeout_s, device=self.device,
-                           backend=s.backend,
+                           backend=s.collective_backend,
                            store=None if _under_launcher() else dist.HashStore())
         self._times["pg_ready_at"] = time.time()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._on_event = on_event
-        self.events = MetricsLog(s.metrics, enabled=self.rank == 0, world_size=self.world_size,
+        self.events = MetricsLog(s.events_file, enabled=self.rank == 0,
+                                 world_size=self.world_size,
                                  restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
-        self.snapshots = Snapshotter(s.snapshot_dir, keep=s.keep)
+        self.snapshots = Snapshotter(s.snapshot_dir, keep=s.keep_snapshots)
         self.step = 0
         self.position: DataPosition | None = None
         self.restored: Restored | None = None
