@@ -193,27 +193,28 @@ class Trainer:
                                     scheduler=self.scheduler) or None
         logger.info("rank %d/%d pid %d starting at step %d (%s)", self.rank, self.world_size,
                     os.getpid(), self.step, "resumed" if resumed_from is not None else "fresh")
-        self.progress.start(self.step, loop.resumed_from, loop.restored_age_s)
+        self.progress.start(self.step, loop.framework.resumed_from, loop.framework.restored_age_s)
         ddp = DistributedDataParallel(self.model, device_ids=loop.device_ids)
         try:
             settle_buckets(ddp, self.task.inputs[:0].to(self.device))
         except Exception as exc:
             self.progress.close()
-            loop.fail(exc)  # re-raises what is not a peer's fault
+            loop.framework.fail(exc)  # re-raises what is not a peer's fault
         for mine in loop.batches(s.dataset_size, s.global_batch_size, seed=s.seed):
             try:
                 loss_sum = train_step(ddp, self.optimizer, self.scheduler, self.task, mine,
                                       s.global_batch_size, self.world_size, self.device,
                                       updating=loop.update())
                 if self.recorder is not None:
-                    assert loop.next_position is not None and loop.global_ids is not None
-                    self.recorder.record(self.step + 1, loop.next_position.epoch, mine,
-                                         loop.global_ids)
+                    hooks = loop.framework
+                    assert hooks.next_position is not None and hooks.global_ids is not None
+                    self.recorder.record(self.step + 1, hooks.next_position.epoch, mine,
+                                         hooks.global_ids)
                 if s.step_delay > 0:
                     time.sleep(s.step_delay)
             except Exception as exc:
                 self.progress.close()
-                loop.fail(exc)  # re-raises what is not a peer's fault
+                loop.framework.fail(exc)  # re-raises what is not a peer's fault
             loss = loop.step_done(loss_sum.reshape(1), total=s.global_batch_size)
             self.progress.step(self.step, loss or 0.0)
         digest = params_sha256(self.model)
