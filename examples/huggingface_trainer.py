@@ -73,7 +73,7 @@ def main() -> None:
     args = parse_args()
     elastic = ElasticCallback(LoopSettings(  # elastic-ext: the guard, the process group
         snapshot_dir=args.snapshot_dir, snapshot_every=args.snapshot_every,  # elastic-ext
-        metrics=args.metrics, total_steps=args.steps))  # elastic-ext
+        events_file=args.metrics, total_steps=args.steps))  # elastic-ext
     config = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2)
     model = GPT2LMHeadModel(config)
     output_dir = args.output_dir or (args.snapshot_dir or Path(".")) / "hf-output"

@@ -78,7 +78,7 @@ def main() -> None:
     args = parse_args()
     elastic = ElasticCallback(LoopSettings(  # elastic-ext: the guard, the process group
         snapshot_dir=args.snapshot_dir, snapshot_every=args.snapshot_every,  # elastic-ext
-        metrics=args.metrics, total_steps=args.steps))  # elastic-ext
+        events_file=args.metrics, total_steps=args.steps))  # elastic-ext
     torch.manual_seed(0)  # the same initial weights on every rank
     model = Regression(WIDTH[args.model_size])
     generator = torch.Generator().manual_seed(1)

@@ -63,7 +63,7 @@ def main() -> None:
     args = parse_args()
     loop = ElasticLoop(LoopSettings(  # elastic-ext: the guard, the process group, snapshots
         snapshot_dir=args.snapshot_dir, snapshot_every=args.snapshot_every,  # elastic-ext
-        metrics=args.metrics))  # elastic-ext
+        events_file=args.metrics))  # elastic-ext
     dataset = MyTrainDataset(2048)
     model = torch.nn.Linear(20, 1).to(loop.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -379,7 +379,7 @@ def run_example(tmp_path: Path, body: str, first_line: str, report: str
 
 def test_the_own_loop_example_resumes_trains_and_snapshots(tmp_path: Path) -> None:
     done = run_example(tmp_path, python_blocks(HOOK_DOC)[0], "loop = ",
-                       'print("ended at", loop.step, "data", loop.position, flush=True)\n')
+                       'print("ended at", loop.step, "data", loop._position, flush=True)\n')
     # resumed at sample 4 of epoch 0: step 3 takes 4..35, step 4 starts epoch 1 (68 > 64)
     assert "ended at 4 data DataPosition(epoch=1, offset=32)" in done.stdout, \
         done.stdout + done.stderr[-3000:]

@@ -101,3 +101,34 @@ def test_an_update_split_over_two_calls_counts_like_one_and_a_fault_inside_keeps
     assert "not keeping the state: an update was being applied" in faulted.stderr
     fault = [e for e in events(tmp_path / "fault") if e["event"] == "fault"]
     assert [(e["step"], e["kept"]) for e in fault] == [(2, None)], fault
+
+
+LOOP_SURFACE = ["batches", "device", "device_ids", "finish", "framework", "rank", "restore",
+                "step", "step_done", "update", "world_size"]
+"""What a training loop calls, and nothing else: a name added here is an API promise."""
+
+FRAMEWORK_SURFACE = ["abandon_update", "batch_sampler", "batch_started", "begin_update",
+                     "close", "closed", "end_update", "exit_on_peer_fault", "fail",
+                     "global_ids", "held_step", "next_position", "restored",
+                     "restored_age_s", "resumed_from", "start_data", "track"]
+"""``loop.framework``: what only integrations, the bundled trainer and the sampler call."""
+
+
+def test_the_public_surface_is_what_a_loop_calls_and_the_framework_hooks() -> None:
+    """The class's names (methods, properties) cannot grow without this list."""
+    from elastic_ext.worker.loop import ElasticLoop
+    from elastic_ext.worker.loop.elastic_loop import FrameworkHooks
+
+    assert sorted(n for n in dir(ElasticLoop) if not n.startswith("_")) == LOOP_SURFACE
+    assert sorted(n for n in dir(FrameworkHooks) if not n.startswith("_")) == FRAMEWORK_SURFACE
+    for name in ("device", "device_ids", "rank", "world_size", "step", "framework"):
+        attribute = getattr(ElasticLoop, name)
+        assert isinstance(attribute, property) and attribute.fset is None, name  # read-only
+
+
+def test_a_live_loop_has_no_public_attribute_beyond_its_surface(tmp_path: Path) -> None:
+    """Nor can an instance attribute set in ``__init__`` make it grow."""
+    done = run_job(tmp_path, surface=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    surface = json.loads(done.stdout.splitlines()[-1])
+    assert surface == {"loop": LOOP_SURFACE, "framework": FRAMEWORK_SURFACE}

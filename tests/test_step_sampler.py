@@ -15,7 +15,8 @@ from elastic_ext.worker.loop.sampler import StepSampler
 
 @dataclass
 class FakeLoop:
-    """What the sampler asks of ``ElasticLoop``: where the data stands, and the step's batch."""
+    """What the sampler asks of ``ElasticLoop`` (its ``framework`` hooks, and its rank and
+    world size): where the data stands, and the step's batch."""
 
     rank: int = 0
     world_size: int = 1
@@ -33,9 +34,16 @@ class FakeLoop:
         self.position = self.started[-1][1]
 
 
+def sampler_of(loop: FakeLoop, dataset_size: int, global_batch_size: int, *,
+               seed: int = 0) -> StepSampler:
+    """``StepSampler`` as ``ElasticLoop.framework.batch_sampler`` makes it."""
+    return StepSampler(loop, dataset_size, global_batch_size, seed=seed, rank=loop.rank,
+                       world_size=loop.world_size)
+
+
 def test_a_pass_yields_the_rest_of_the_epoch_and_its_length_is_a_whole_epoch() -> None:
     loop = FakeLoop(position=position_after(3, 4, 22))  # 5 steps an epoch, 3 done
-    sampler = StepSampler(loop, 22, 4, seed=7)
+    sampler = sampler_of(loop, 22, 4, seed=7)
     assert len(sampler) == 5
     batches = list(sampler)
     position, expected = position_after(3, 4, 22), []
@@ -46,7 +54,7 @@ def test_a_pass_yields_the_rest_of_the_epoch_and_its_length_is_a_whole_epoch() -
 
 
 def test_each_rank_gets_its_share_of_the_same_global_batch() -> None:
-    shares = [list(StepSampler(FakeLoop(rank=r, world_size=3), 30, 6))
+    shares = [list(sampler_of(FakeLoop(rank=r, world_size=3), 30, 6))
               for r in range(3)]
     ids, _ = next_batch(DataPosition(), 0, 6, 30)
     assert [s[0] for s in shares] == [shard(ids, r, 3).tolist() for r in range(3)]
@@ -54,7 +62,7 @@ def test_each_rank_gets_its_share_of_the_same_global_batch() -> None:
 
 def test_a_step_learns_its_own_batch_while_the_loader_fetches_ahead() -> None:
     loop = FakeLoop()
-    sampler = StepSampler(loop, 40, 4)
+    sampler = sampler_of(loop, 40, 4)
     iterator = iter(sampler)
     fetched = [next(iterator), next(iterator)]  # the framework's prefetch
     sampler.started()
@@ -67,7 +75,7 @@ def test_a_step_learns_its_own_batch_while_the_loader_fetches_ahead() -> None:
 
 def test_the_next_pass_starts_where_the_trained_steps_left_the_data() -> None:
     loop = FakeLoop()
-    sampler = StepSampler(loop, 8, 4)
+    sampler = sampler_of(loop, 8, 4)
     for _ in sampler:
         sampler.started()
         loop.step_done()
@@ -79,18 +87,18 @@ def test_the_next_pass_starts_where_the_trained_steps_left_the_data() -> None:
 
 def test_a_dataloader_collates_the_rank_share_of_each_step() -> None:
     data = TensorDataset(torch.arange(100) * 10)
-    sampler = StepSampler(FakeLoop(rank=1, world_size=2), 100, 10)
+    sampler = sampler_of(FakeLoop(rank=1, world_size=2), 100, 10)
     (first,) = next(iter(DataLoader(data, batch_sampler=sampler)))
     ids, _ = next_batch(DataPosition(), 0, 10, 100)
     assert first.tolist() == (shard(ids, 1, 2) * 10).tolist()
 
 
 def test_a_step_without_a_batch_from_the_sampler_names_the_fix() -> None:
-    sampler = StepSampler(FakeLoop(), 10, 2)
+    sampler = sampler_of(FakeLoop(), 10, 2)
     with pytest.raises(RuntimeError, match="batch_sampler="):
         sampler.started()
 
 
 def test_a_batch_larger_than_the_dataset_is_refused() -> None:
     with pytest.raises(ValueError, match="1..10"):
-        StepSampler(FakeLoop(), 10, 11)
+        sampler_of(FakeLoop(), 10, 11)

@@ -145,11 +145,11 @@ class Trainer:
         self.env = DistEnv.from_environ()
         try:
             self.loop = ElasticLoop(LoopSettings(
-                snapshot_dir=s.snapshot_dir, snapshot_every=s.snapshot_every, keep=s.keep,
-                total_steps=s.steps, device=s.device, backend=s.backend,
+                snapshot_dir=s.snapshot_dir, snapshot_every=s.snapshot_every, keep_snapshots=s.keep,
+                total_steps=s.steps, device=s.device, collective_backend=s.backend,
                 collective_timeout_s=s.collective_timeout, stop_grace_s=s.stop_grace,
                 preempt_grace_s=s.preempt_grace, hold_timeout_s=s.hold_timeout,
-                metrics=s.metrics), on_event=self._on_event, main_at=main_at)
+                events_file=s.metrics), on_event=self._on_event, main_at=main_at)
         except ValueError as exc:
             raise SystemExit(f"trainer: {exc}") from None
         self.device = self.loop.device
@@ -193,27 +193,28 @@ class Trainer:
                                     scheduler=self.scheduler) or None
         logger.info("rank %d/%d pid %d starting at step %d (%s)", self.rank, self.world_size,
                     os.getpid(), self.step, "resumed" if resumed_from is not None else "fresh")
-        self.progress.start(self.step, loop.resumed_from, loop.restored_age_s)
+        self.progress.start(self.step, loop.framework.resumed_from, loop.framework.restored_age_s)
         ddp = DistributedDataParallel(self.model, device_ids=loop.device_ids)
         try:
             settle_buckets(ddp, self.task.inputs[:0].to(self.device))
         except Exception as exc:
             self.progress.close()
-            loop.fail(exc)  # re-raises what is not a peer's fault
+            loop.framework.fail(exc)  # re-raises what is not a peer's fault
         for mine in loop.batches(s.dataset_size, s.global_batch_size, seed=s.seed):
             try:
                 loss_sum = train_step(ddp, self.optimizer, self.scheduler, self.task, mine,
                                       s.global_batch_size, self.world_size, self.device,
                                       updating=loop.update())
                 if self.recorder is not None:
-                    assert loop.next_position is not None and loop.global_ids is not None
-                    self.recorder.record(self.step + 1, loop.next_position.epoch, mine,
-                                         loop.global_ids)
+                    hooks = loop.framework
+                    assert hooks.next_position is not None and hooks.global_ids is not None
+                    self.recorder.record(self.step + 1, hooks.next_position.epoch, mine,
+                                         hooks.global_ids)
                 if s.step_delay > 0:
                     time.sleep(s.step_delay)
             except Exception as exc:
                 self.progress.close()
-                loop.fail(exc)  # re-raises what is not a peer's fault
+                loop.framework.fail(exc)  # re-raises what is not a peer's fault
             loss = loop.step_done(loss_sum.reshape(1), total=s.global_batch_size)
             self.progress.step(self.step, loss or 0.0)
         digest = params_sha256(self.model)

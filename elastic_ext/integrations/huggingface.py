@@ -146,7 +146,7 @@ class ElasticCallback(TrainerCallback):
             shutil.rmtree(self._resume_dir, ignore_errors=True)
             self._resume_dir = None
         self._trainer_state.state = state
-        self.loop.track(optimizer=kwargs["optimizer"], scheduler=kwargs["lr_scheduler"],
+        self.loop.framework.track(optimizer=kwargs["optimizer"], scheduler=kwargs["lr_scheduler"],
                         trainer_state=self._trainer_state)
         if state.global_step != self.loop.step:
             raise RuntimeError(
@@ -155,14 +155,14 @@ class ElasticCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState,
                               control: TrainerControl, **kwargs: Any) -> None:
-        self.loop.begin_update()
+        self.loop.framework.begin_update()
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:
         """After the optimizer's and the scheduler's step and the step count: the update is
         complete, then the step boundary (which may keep or commit and exit)."""
         self._trainer_state.state = state
-        self.loop.end_update()
+        self.loop.framework.end_update()
         self.loop.step_done()
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState,

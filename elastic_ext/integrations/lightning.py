@@ -117,7 +117,7 @@ class _LightningState:
         checkpoint = dump_checkpoint(self.trainer)
         for key in _NOT_KEPT:
             checkpoint.pop(key, None)
-        step = self.loop.held.step
+        step = self.loop.framework.held_step
         if step is None:  # no keep during an update; a glance for the commit paths
             step = self.loop.step
         boundary = self._boundaries.get(step)
@@ -174,7 +174,8 @@ class ElasticCallback(pl.Callback):
         """The ``DataLoader``'s ``batch_sampler``: every sample of an epoch exactly once
         across the ranks, whatever the world size and however many rounds
         (``ElasticLoop.batches``); the Trainer needs ``use_distributed_sampler=False``."""
-        self._sampler = self.loop.batch_sampler(dataset_size, global_batch_size, seed=seed)
+        self._sampler = self.loop.framework.batch_sampler(dataset_size, global_batch_size,
+                                                          seed=seed)
         # The DataLoader is not Stateful to Lightning, the sampler is: a mid-epoch resume
         # continues the epoch, which Lightning's warning says it may not.
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended "
@@ -233,7 +234,7 @@ class ElasticCallback(pl.Callback):
                 f"step {self.loop.step}: resume only from ElasticCallback.resume_from(model)")
         self._state.trainer = trainer
         self._state.at_boundary(self.loop.step, trainer)
-        self.loop.track(lightning=self._state)
+        self.loop.framework.track(lightning=self._state)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:
@@ -242,14 +243,14 @@ class ElasticCallback(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
-        self.loop.begin_update()
+        self.loop.framework.begin_update()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
         """After the optimizer's and the step-interval schedulers' step: the update is
         complete, then the step boundary (which may keep or commit and exit)."""
         self._state.at_boundary(self.loop.step + 1, trainer)
-        self.loop.end_update()
+        self.loop.framework.end_update()
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         self.loop.step_done(loss if isinstance(loss, torch.Tensor) else None)
 
@@ -260,7 +261,7 @@ class ElasticCallback(pl.Callback):
         """Also when Lightning found nothing left to train (a round restored the last
         step, say after a peer died in ``finish``): then the job is done all the same."""
         self._remove_resume_dir()
-        if not self.loop.closed:
+        if not self.loop.framework.closed:
             self.loop.finish()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
@@ -268,8 +269,8 @@ class ElasticCallback(pl.Callback):
         """Before Lightning's teardown, which would wait on the broken group: a peer's
         fault keeps the held step and waits for the agent here; anything else goes on
         to Lightning (an update it cut short is not held)."""
-        self.loop.exit_on_peer_fault(exception)
-        self.loop.abandon_update(f"the step raised {type(exception).__name__}")
+        self.loop.framework.exit_on_peer_fault(exception)
+        self.loop.framework.abandon_update(f"the step raised {type(exception).__name__}")
 
     def _remove_resume_dir(self) -> None:
         if self._resume_dir is not None:

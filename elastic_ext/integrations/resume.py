@@ -32,7 +32,7 @@ def new_resume_dir() -> Path:
 
 class Carried:
     """A restored entry, kept as it came until the framework's own object replaces it
-    (``ElasticLoop.track``): a fault before training started keeps the whole step."""
+    (``ElasticLoop.framework.track``): a fault before training started keeps the whole step."""
 
     def __init__(self, state: Mapping[str, Any]) -> None:
         self.state = dict(state)
@@ -55,7 +55,7 @@ def restore_for_framework(loop: ElasticLoop, model: Stateful, kept: Sequence[str
             ``callback`` (an entry of ``kept`` is missing).
     """
     loop.restore(model=model)
-    restored = loop.restored
+    restored = loop.framework.restored
     if restored is None or restored.step == 0:
         return None
     missing = [name for name in kept if name not in restored.state]
@@ -63,7 +63,7 @@ def restore_for_framework(loop: ElasticLoop, model: Stateful, kept: Sequence[str
         raise SnapshotMismatchError(
             f"{restored.origin} has no {', '.join(missing)}: it was not taken by {callback}; "
             "give this run another --snapshot-dir")
-    loop.track(**{name: Carried(restored.state[name]) for name in kept})
+    loop.framework.track(**{name: Carried(restored.state[name]) for name in kept})
     return restored
 
 

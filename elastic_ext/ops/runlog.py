@@ -1,7 +1,7 @@
 """A training run's metrics events, analysed: rounds, restores, steps redone, time not training.
 
 The events follow the bundled trainer's metrics contract
-(``elastic_ext/worker/loop/events.py``): one JSON object per line with ``event``
+(``elastic_ext/worker/loop/metrics_file.py``): one JSON object per line with ``event``
 (``start``, ``restore``, ``step``, ``snapshot``, ``stopped``, ``preempted``, ``done``),
 ``step``, ``world_size``, ``restart`` and ``time``. Any loop that writes the same events
 can be analysed. Everything here is a pure function of the event list, so that
@@ -83,17 +83,17 @@ def parse_events(text: str,
         if missing:
             raise RunLogError(f"{name} line {number} lacks {', '.join(missing)}: every event "
                               f"needs {', '.join(REQUIRED)} "
-                              "(see elastic_ext/worker/loop/events.py)")
+                              "(see elastic_ext/worker/loop/metrics_file.py)")
         wrong = [key for key, kinds in _TYPES.items()
                  if key in record and not _is(record[key], kinds)]
         if wrong:
             raise RunLogError(f"{name} line {number}: "
                               + ", ".join(f"{key} must be {_TYPE_TEXT[key]}" for key in wrong)
-                              + " (see elastic_ext/worker/loop/events.py)")
+                              + " (see elastic_ext/worker/loop/metrics_file.py)")
         events.append(record)
     if not any(e["event"] == "start" for e in events):
         raise RunLogError(f"{name} has no 'start' event: a round must log 'start' before its "
-                          "steps (see elastic_ext/worker/loop/events.py)")
+                          "steps (see elastic_ext/worker/loop/metrics_file.py)")
     return events, unreadable
 
 

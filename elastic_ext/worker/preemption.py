@@ -66,7 +66,10 @@ _PEER_LOST_POLL_S = 0.1
 """How often a stopping worker looks whether its agent found a peer dead or hung."""
 
 
-class Phase(enum.Enum):
+class GuardPhase(enum.Enum):
+    """Where the guard's worker stands, which decides what the watchdog may do (named apart
+    from the rendezvous' ``protocol.state.Phase``)."""
+
     RUNNING = "running"        # the watchdog may end the process once the grace is over
     COMMITTING = "committing"  # a stop was agreed: the watchdog leaves the commit alone
     HOLDING = "holding"        # waiting for a signal; the main thread exits by itself
@@ -143,7 +146,7 @@ class PreemptionGuard:
         self._kept = False
         self._signalled: int | None = None
         self._signal_event = threading.Event()
-        self._phase = Phase.RUNNING
+        self._phase = GuardPhase.RUNNING
         self._hold_code = 0  # what a held worker exits with once its signal comes
         self._lock = threading.RLock()
         self._previous_handlers: dict[int, SignalHandler] = {}
@@ -217,10 +220,10 @@ class PreemptionGuard:
         return self._signalled
 
     @property
-    def phase(self) -> Phase:
+    def phase(self) -> GuardPhase:
         return self._phase
 
-    def _set_phase(self, phase: Phase) -> None:
+    def _set_phase(self, phase: GuardPhase) -> None:
         with self._lock:
             self._phase = phase
 
@@ -243,7 +246,7 @@ class PreemptionGuard:
         the watchdog ends the process with ``code_on_signal``."""
         with self._lock:
             self._hold_code = code_on_signal
-            self._phase = Phase.HOLDING
+            self._phase = GuardPhase.HOLDING
 
     def _wait_for_signal(self, timeout: float) -> int | None:
         """The handled signal this process got, waiting up to ``timeout`` for one: the
@@ -309,7 +312,7 @@ class PreemptionGuard:
                 continue
             with self._lock:
                 phase = self._phase
-            if phase is Phase.RUNNING:
+            if phase is GuardPhase.RUNNING:
                 if deadline_signal in self.settings.stop_signals and control.peer_lost():
                     logger.warning("got %s and the agent found a peer dead or hung: no step "
                                    "boundary can be reached, exiting at once",
@@ -322,7 +325,7 @@ class PreemptionGuard:
                                  self.settings.grace_for(deadline_signal))
                     self._keep("the step boundary was not reached in time")
                 exit_now(128 + deadline_signal)
-            if phase is Phase.HOLDING:  # the main thread should have left already
+            if phase is GuardPhase.HOLDING:  # the main thread should have left already
                 exit_now(self._hold_code)
             deadline = None  # committing: the commit's own collectives have timeouts
 
@@ -363,7 +366,7 @@ class PreemptionGuard:
             summed = payload[2:] if values is not None else None
         stop = bool(flags[0].item() > 0)
         if stop:
-            self._set_phase(Phase.COMMITTING)
+            self._set_phase(GuardPhase.COMMITTING)
         else:
             control.report_progress()
         return Agreement(stop=stop, values=summed,
@@ -377,7 +380,7 @@ class PreemptionGuard:
     def begin_commit(self) -> None:
         """Stand the watchdog down for a commit that is not the result of :meth:`agree`
         (the last one)."""
-        self._set_phase(Phase.COMMITTING)
+        self._set_phase(GuardPhase.COMMITTING)
 
     def preempted_exit_code(self) -> int:
         """After the agreed commit: 0 once this process has its own signal.
@@ -424,7 +427,7 @@ class PreemptionGuard:
 
     def _before_hold(self) -> None:
         """Keep the last step's state once the fault is reported, then hold."""
-        self._set_phase(Phase.COMMITTING)  # the agent's SIGTERM must not cut the keep short
+        self._set_phase(GuardPhase.COMMITTING)  # the agent's SIGTERM must not cut the keep short
         self._keep("a collective failed")
         self._begin_hold(code_on_signal=128 + signal.SIGTERM)
 
@@ -432,8 +435,8 @@ class PreemptionGuard:
 __all__ = [
     "EXIT_HOLD_TIMEOUT",
     "Agreement",
+    "GuardPhase",
     "GuardSettings",
-    "Phase",
     "PreemptionGuard",
     "exit_now",
     "installed_guard",

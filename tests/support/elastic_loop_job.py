@@ -8,6 +8,7 @@ process with its traceback as usual. ``split_update`` updates between ``begin_up
 and ``end_update`` (as a framework's callbacks do, the first one twice as for an
 optimizer that calls its closure several times); ``fault_in_update_at`` has the guard
 keep the state between the two at that step, as a peer's fault there would, then exits.
+``surface`` prints the public names of the loop and of its ``framework`` and exits.
 """
 
 from __future__ import annotations
@@ -21,11 +22,20 @@ import torch
 from elastic_ext import ElasticLoop, LoopSettings
 
 
+def public(obj: object) -> list[str]:
+    """The names a user of ``obj`` sees: its class's and its own, less the underscored."""
+    return sorted(name for name in dir(obj) if not name.startswith("_"))
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     directory = Path(spec["dir"])
     loop = ElasticLoop(LoopSettings(snapshot_dir=directory / "snapshots", snapshot_every=3,
-                                    metrics=directory / "metrics.jsonl"))
+                                    events_file=directory / "metrics.jsonl"))
+    if spec.get("surface"):
+        print(json.dumps({"loop": public(loop), "framework": public(loop.framework)}))
+        loop.framework.close()
+        return
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loop.restore(model=model, optimizer=optimizer)
@@ -33,17 +43,18 @@ def main() -> None:
         loss = model(torch.ones(len(ids), 3) * ids.unsqueeze(1)).pow(2).mean()
         loss.backward()
         if spec.get("split_update"):
-            loop.begin_update()
-            loop.begin_update()  # again, as LBFGS calls a framework's closure and hook twice
+            loop.framework.begin_update()
+            loop.framework.begin_update()  # again, as LBFGS calls the closure and hook twice
             optimizer.step()
             optimizer.zero_grad()
             if loop.step + 1 == spec.get("fault_in_update_at"):
-                assert loop.guard.keep_state is not None
-                loop.guard.keep_state("a collective failed")  # must not wait for itself
-                print(json.dumps({"kept_at": loop.held.step}), flush=True)
-                loop.close()
+                # What the guard calls on a peer's fault (the guard is the loop's own).
+                assert loop._guard.keep_state is not None
+                loop._guard.keep_state("a collective failed")  # must not wait for itself
+                print(json.dumps({"kept_at": loop.framework.held_step}), flush=True)
+                loop.framework.close()
                 return
-            loop.end_update()
+            loop.framework.end_update()
         else:
             with loop.update():
                 optimizer.step()

@@ -21,23 +21,27 @@ exit statuses. A loop names what to save and iterates::
         loop.step_done(loss)
     loop.finish()
 
-A peer's fault raised anywhere in the loop reaches ``fail`` (directly, or through the
-``sys.excepthook`` the object installs): the step is kept and the worker waits for its
-agent. Anything else is raised as usual.
+A peer's fault raised anywhere in the loop (directly, or through the ``sys.excepthook``
+the object installs) keeps the step, and the worker waits for its agent. Anything else is
+raised as usual. ``ElasticLoop``'s docstring gives the order of the calls and what each
+guarantees; ``loop.framework`` holds what only framework integrations and the bundled
+trainer call.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, InitVar, dataclass, fields
 from functools import partial
 from pathlib import Path
 from types import TracebackType
@@ -55,7 +59,7 @@ from elastic_ext.worker.distributed import (
     init_process_group,
 )
 from elastic_ext.worker.loop.data import DataPosition, next_batch, shard
-from elastic_ext.worker.loop.events import MetricsLog
+from elastic_ext.worker.loop.metrics_file import MetricsLog
 from elastic_ext.worker.loop.sampler import StepSampler
 from elastic_ext.worker.preemption import GuardSettings, PreemptionGuard, exit_now
 from elastic_ext.worker.snapshot import (
@@ -74,26 +78,99 @@ EventHook = Callable[[str, int, Mapping[str, Any]], None]
 """Called with every event the loop logs (``event``, ``step``, its fields), on every rank."""
 
 
+class _Unset(enum.Enum):
+    """The default of a deprecated keyword: tells "not given" from any value, None included."""
+
+    TOKEN = "not given"
+
+
+_RENAMED = {"metrics": "events_file", "backend": "collective_backend", "keep": "keep_snapshots"}
+"""LoopSettings' old keyword names and their new ones."""
+
+_TIMEOUTS = ("collective_timeout_s", "stop_grace_s", "preempt_grace_s", "hold_timeout_s")
+
+
 @dataclass(frozen=True)
 class LoopSettings:
-    """What a loop chooses; the bundled trainer's flags of the same names set them."""
+    """What a loop chooses; the bundled trainer's flags of the similar names set them.
+
+    The timeouts are checked against each other here, not when a signal comes.
+
+    Raises:
+        ValueError: a timeout that is not a positive number of seconds, or timeouts that
+            cannot work together (the message names the fields and the fix).
+        TypeError: a field given under both its old and its new name.
+    """
 
     snapshot_dir: Path | None = None
     """Where global rank 0 writes durable snapshots (node-local is fine); None: none."""
     snapshot_every: int = 0
     """A background snapshot every K steps (0: only on a stop and at the end)."""
-    keep: int = 3
+    keep_snapshots: int = 3
+    """How many durable snapshots stay in ``snapshot_dir``; older ones are removed."""
     total_steps: int | None = None
     """The last step, if known: its snapshot is the final durable one, not a background one."""
     device: DeviceChoice = "auto"
-    backend: BackendChoice = "auto"
+    """Where to train: ``cuda:LOCAL_RANK``, the CPU, or ``auto`` (a GPU when there is one)."""
+    collective_backend: BackendChoice = "auto"
+    """The process group's backend: ``nccl``, ``gloo`` or ``auto`` (NCCL on a GPU, gloo on
+    the CPU); not torchrun's ``--rdzv-backend``, which is etcd-ext's rendezvous."""
     collective_timeout_s: float = 60.0
+    """Seconds before a collective with a silent peer fails (in the training thread)."""
     stop_grace_s: float = 3.0
+    """After SIGTERM/SIGINT, seconds to reach the step boundary before the watchdog ends the
+    worker without a snapshot (keeping the last step in node memory)."""
     preempt_grace_s: float = 30.0
+    """The same after a preemption notice (SIGUSR2): the step may be slow; keep it below
+    torchrun's ``--shutdown-timeout``. At least ``stop_grace_s``."""
     hold_timeout_s: float = 60.0
-    metrics: Path | None = None
-    """The JSON-lines events file (``elastic_ext.worker.loop.events``), appended by global
-    rank 0."""
+    """Seconds a worker waits for its own signal after a stop it learned from the others, or
+    for its etcd-ext agent after reporting a peer's fault, before it exits non-zero."""
+    events_file: Path | None = None
+    """The JSON-lines events file (``elastic_ext.worker.loop.metrics_file``), appended by
+    global rank 0; None: none."""
+    _: KW_ONLY
+    metrics: InitVar[Path | None | _Unset] = _Unset.TOKEN
+    """Deprecated: ``events_file``."""
+    backend: InitVar[BackendChoice | _Unset] = _Unset.TOKEN
+    """Deprecated: ``collective_backend``."""
+    keep: InitVar[int | _Unset] = _Unset.TOKEN
+    """Deprecated: ``keep_snapshots``."""
+
+    def __post_init__(self, metrics: Path | None | _Unset, backend: BackendChoice | _Unset,
+                      keep: int | _Unset) -> None:
+        """Take the old keyword names (with a warning) and check the timeouts."""
+        for old, value in (("metrics", metrics), ("backend", backend), ("keep", keep)):
+            if value is _Unset.TOKEN:
+                continue
+            new = _RENAMED[old]
+            if getattr(self, new) != _DEFAULTS[new]:
+                raise TypeError(f"LoopSettings got both {old}= and {new}=: give {new} only "
+                                f"({old} is its old name)")
+            warnings.warn(f"LoopSettings({old}=...) is deprecated: use {new}=",
+                          DeprecationWarning, stacklevel=3)
+            object.__setattr__(self, new, value)
+        self._check_timeouts()
+
+    def _check_timeouts(self) -> None:
+        """Reject timeouts the guard could not honour, naming the fields and the fix."""
+        for name in _TIMEOUTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    not value > 0:
+                raise ValueError(f"LoopSettings.{name}={value!r} must be a positive number "
+                                 "of seconds")
+        if self.stop_grace_s > self.preempt_grace_s:
+            raise ValueError(
+                f"LoopSettings.stop_grace_s={self.stop_grace_s:g} is longer than "
+                f"preempt_grace_s={self.preempt_grace_s:g}: a preemption notice (SIGUSR2) warns "
+                "of the stop ahead of it, and when both come the earlier deadline ends the "
+                "worker, so the notice's grace must be at least the stop's; raise "
+                f"preempt_grace_s to at least {self.stop_grace_s:g} or lower stop_grace_s")
+
+
+_DEFAULTS = {f.name: f.default for f in fields(LoopSettings)}
+"""Each field's default, to tell a new name given alongside its old one."""
 
 
 def _under_launcher() -> bool:
@@ -103,57 +180,129 @@ def _under_launcher() -> bool:
 class ElasticLoop:
     """The guard, the process group, the snapshots and the step protocol of one worker.
 
-    Creating it installs the guard, creates the default process group (a one-rank group
-    for a process started without a launcher) and an ``excepthook`` for peer faults;
-    call it once, in the main thread, before any collective.
+    A loop calls, in this order, on every rank::
+
+        loop = ElasticLoop(LoopSettings(...))          # 1. construct
+        model = Net().to(loop.device)                  # 2. the plain module on loop.device
+        loop.restore(model=model, optimizer=optimizer) # 3. restore (collective)
+        ddp = DistributedDataParallel(model, device_ids=loop.device_ids)   # 4. wrap DDP
+        for ids in loop.batches(len(dataset), global_batch_size=32, steps=1000):  # 5.
+            loss = forward_backward(ddp, dataset[ids])
+            with loop.update():                        # 6. around the update only
+                optimizer.step()
+            loop.step_done(loss)                       # 7. the step boundary
+        loop.finish()                                  # 8. the end of training
+
+    What each guarantees:
+
+    1. Construction installs the preemption guard (signals during start-up count), then
+       creates the default process group (NCCL with its error handling on a GPU, gloo on
+       the CPU, ``collective_timeout_s``; a one-rank group without a launcher) and an
+       ``excepthook`` for peer faults. Once per process, in the main thread, before any
+       collective; ``device``, ``device_ids``, ``rank`` and ``world_size`` are set from
+       here on.
+    2. The model must be on ``loop.device`` before ``restore``, which loads into it.
+    3. ``restore`` names what a snapshot holds and loads, on every rank, the newest step
+       any rank holds (node memory, a peer, or disk); ``step`` is that step (0: fresh).
+    4. DDP wraps the restored module, so every rank starts from the same weights.
+    5. ``batches`` yields this rank's sample ids of each step from the restored position:
+       every sample of an epoch exactly once across the ranks, at any world size.
+    6. ``update`` brackets the optimizer's (and scheduler's) step: a keep never sees half
+       an update; on a GPU a step counts only once the device finished it.
+    7. ``step_done`` is the step boundary, one all-reduce on every rank: ``step`` grows by
+       one, the loss is reduced, progress goes to the agent, and every
+       ``snapshot_every`` steps a snapshot is written in the background.
+    8. ``finish`` writes the last step durably (collective) and tells the agent the job is
+       done; only this marks it finished.
+
+    What happens otherwise:
+
+    - A peer's fault (a collective raises because a peer died or hung), raised anywhere in
+      the loop: the worker keeps the last completed step in node memory (never a half
+      applied update), reports the fault to its etcd-ext agent and waits for the agent to
+      stop it; the next round restores that step from the survivors. Under stock torchrun
+      (no agent listening), and for any other error, the exception is raised as usual.
+    - A membership change (a node joins or leaves: the agent restarts the round with
+      SIGTERM): at the next ``step_done`` every rank keeps the step in node memory and
+      exits; nothing need be durable.
+    - A preemption or a real stop (SIGTERM, SIGINT, SIGUSR2, or the job's stop from the
+      agent): at the next ``step_done`` every rank keeps the step and writes it durably,
+      then exits (0 once its own signal came). A step boundary not reached within
+      ``stop_grace_s`` (``preempt_grace_s`` after SIGUSR2) ends the worker without a
+      durable snapshot, keeping the last completed step in node memory.
+
+    For framework integrations and the bundled trainer: ``framework`` (``FrameworkHooks``).
     """
 
     def __init__(self, settings: LoopSettings | None = None, *, on_event: EventHook | None = None,
                  main_at: float | None = None) -> None:
-        s = self.settings = settings or LoopSettings()
+        """``on_event(event, step, fields)`` sees every event the loop logs, on every rank;
+        ``main_at`` is when the script's ``main`` began (for the ``start`` event)."""
+        s = self._settings = settings or LoopSettings()
         self._times = {"launched_at": launched_at(), "main_at": main_at or time.time()}
-        self.guard = PreemptionGuard(GuardSettings(stop_grace_s=s.stop_grace_s,
-                                                   preempt_grace_s=s.preempt_grace_s,
-                                                   hold_timeout_s=s.hold_timeout_s)).install()
-        self.device = choose_device(s.device)
-        init_process_group(timeout_s=s.collective_timeout_s, device=self.device,
-                           backend=s.backend,
+        self._guard = PreemptionGuard(GuardSettings(stop_grace_s=s.stop_grace_s,
+                                                    preempt_grace_s=s.preempt_grace_s,
+                                                    hold_timeout_s=s.hold_timeout_s)).install()
+        self._device = choose_device(s.device)
+        init_process_group(timeout_s=s.collective_timeout_s, device=self._device,
+                           backend=s.collective_backend,
                            store=None if _under_launcher() else dist.HashStore())
         self._times["pg_ready_at"] = time.time()
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
         self._on_event = on_event
-        self.events = MetricsLog(s.metrics, enabled=self.rank == 0, world_size=self.world_size,
-                                 restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
-        self.snapshots = Snapshotter(s.snapshot_dir, keep=s.keep)
-        self.step = 0
-        self.position: DataPosition | None = None
-        self.restored: Restored | None = None
-        self.resumed_from: int | None = None
+        self._events = MetricsLog(s.events_file, enabled=self._rank == 0,
+                                  world_size=self._world_size,
+                                  restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+        self._snapshots = Snapshotter(s.snapshot_dir, keep=s.keep_snapshots)
+        self._step = 0
+        self._position: DataPosition | None = None
+        self._restored: Restored | None = None
+        self._resumed_from: int | None = None
         self._objects: dict[str, Stateful] = {}
         self._data_settings: dict[str, int] = {}
         self._next: DataPosition | None = None
-        self.global_ids: torch.Tensor | None = None
-        """The whole step's sample ids, every rank's share (``batches`` only)."""
-        self.held: HeldStep[DataPosition | None] = HeldStep(0, None, device=self.device)
+        self._global_ids: torch.Tensor | None = None
+        self._held: HeldStep[DataPosition | None] = HeldStep(0, None, device=self._device)
         self._open_update: ExitStack | None = None
-        self.guard.keep_state = self._keep_on_fault
+        self._guard.keep_state = self._keep_on_fault
         self._closed = False
         self._previous_hook = sys.excepthook
         sys.excepthook = self._excepthook
+        self._framework = FrameworkHooks(self)
 
-    # -- what the loop asks
+    # -- what the loop reads
+    @property
+    def device(self) -> torch.device:
+        """Where this rank trains: ``cuda:LOCAL_RANK`` or the CPU; the model goes here."""
+        return self._device
+
     @property
     def device_ids(self) -> list[int] | None:
         """``DistributedDataParallel``'s ``device_ids``: this rank's GPU, None on the CPU."""
-        return [self.device.index or 0] if self.device.type == "cuda" else None
+        return [self._device.index or 0] if self._device.type == "cuda" else None
 
-    def emit(self, event: str, step: int, **fields: Any) -> None:
-        """Log ``event`` to the metrics file (rank 0) and pass it to ``on_event``."""
-        self.events.emit(event, step, **fields)
-        if self._on_event is not None:
-            self._on_event(event, step, fields)
+    @property
+    def rank(self) -> int:
+        """This worker's global rank in this round."""
+        return self._rank
 
-    # -- restore
+    @property
+    def world_size(self) -> int:
+        """The number of ranks in this round (it may differ from the last round's)."""
+        return self._world_size
+
+    @property
+    def step(self) -> int:
+        """Steps completed: the restored step after ``restore``, one more per ``step_done``."""
+        return self._step
+
+    @property
+    def framework(self) -> FrameworkHooks:
+        """The hooks for framework integrations and the bundled trainer; a loop written by
+        hand does not need them."""
+        return self._framework
+
+    # -- what the loop calls
     def restore(self, objects: Mapping[str, Stateful] | None = None,
                 **named: Stateful) -> int:
         """Name what to save (modules, optimizers, schedulers, anything ``Stateful``) and
@@ -165,39 +314,24 @@ class ElasticLoop:
         """
         self._objects = {**(objects or {}), **named}
         started = time.perf_counter()
-        restored = self.restored = self.snapshots.restore(self._objects)
+        restored = self._restored = self._snapshots.restore(self._objects)
         seconds = time.perf_counter() - started
         self._times["restored_at"] = time.time()
         if restored is not None:
-            self.step = self.resumed_from = restored.step
+            self._step = self._resumed_from = restored.step
             data = restored.state.get("data")
             if isinstance(data, Mapping) and "epoch" in data:
-                self.position = DataPosition.from_state(dict(data))
+                self._position = DataPosition.from_state(dict(data))
                 self._data_settings = {k: int(data[k]) for k in
                                        ("seed", "dataset_size", "global_batch_size") if k in data}
-        self.held = HeldStep(self.step, self.position, device=self.device)
-        self.emit("start", self.step, resumed_from=self.resumed_from, rank=self.rank,
-                  **self._times)
-        self.emit("restore", restored.step if restored else 0,
-                  source=restored.source if restored else Source.NONE,
-                  bytes=restored.bytes if restored else 0, seconds=seconds)
-        return self.step
+        self._held = HeldStep(self._step, self._position, device=self._device)
+        self._emit("start", self._step, resumed_from=self._resumed_from, rank=self._rank,
+                   **self._times)
+        self._emit("restore", restored.step if restored else 0,
+                   source=restored.source if restored else Source.NONE,
+                   bytes=restored.bytes if restored else 0, seconds=seconds)
+        return self._step
 
-    def track(self, **named: Stateful) -> None:
-        """Add to what the loop saves objects that exist only after ``restore`` (a
-        framework creates its optimizer and scheduler when training starts); their
-        restored state is in ``restored.state``, for the framework to load itself."""
-        self._objects.update(named)
-
-    @property
-    def restored_age_s(self) -> float | None:
-        """How old the restored snapshot is, when it came from disk (else None)."""
-        restored = self.restored
-        if restored is None or restored.created is None or restored.source != Source.DISK:
-            return None
-        return max(0.0, self._times["restored_at"] - restored.created)
-
-    # -- data
     def batches(self, dataset_size: int, global_batch_size: int, *, seed: int = 0,
                 steps: int | None = None) -> Iterator[torch.Tensor]:
         """This rank's sample ids for each step from the restored position on, until
@@ -208,85 +342,20 @@ class ElasticLoop:
         Raises:
             SnapshotError: the restored state was trained with another seed or dataset.
         """
-        position = self.start_data(dataset_size, global_batch_size, seed=seed)
-        last = steps if steps is not None else self.settings.total_steps
-        while last is None or self.step < last:
+        position = self._start_data(dataset_size, global_batch_size, seed=seed)
+        last = steps if steps is not None else self._settings.total_steps
+        while last is None or self._step < last:
             global_ids, after = next_batch(position, seed, global_batch_size, dataset_size)
-            self.batch_started(global_ids, after)
-            yield shard(global_ids, self.rank, self.world_size)
-            position = self.position or DataPosition()
+            self._batch_started(global_ids, after)
+            yield shard(global_ids, self._rank, self._world_size)
+            position = self._position or DataPosition()
 
-    def batch_sampler(self, dataset_size: int, global_batch_size: int, *,
-                      seed: int = 0) -> StepSampler:
-        """``batches`` as a ``DataLoader``'s ``batch_sampler``, for a framework that owns
-        the loop (one epoch per iteration); its hook at the start of each step's batch
-        calls ``StepSampler.started``."""
-        return StepSampler(self, dataset_size, global_batch_size, seed=seed)
-
-    def start_data(self, dataset_size: int, global_batch_size: int, *,
-                   seed: int = 0) -> DataPosition:
-        """Check a data order against the restored one and return where it continues.
-
-        Raises:
-            SnapshotError: the restored state was trained with another seed or dataset.
-            ValueError: fewer samples per step than ranks.
-        """
-        saved = self._data_settings
-        if saved and (saved.get("seed"), saved.get("dataset_size")) != (seed, dataset_size):
-            raise SnapshotError(
-                f"{self.restored.origin if self.restored else 'the restored state'} was "
-                f"taken with seed {saved.get('seed')} and dataset size "
-                f"{saved.get('dataset_size')}; this run has {seed} and {dataset_size}, so "
-                "its data order would not continue")
-        if saved.get("global_batch_size", global_batch_size) != global_batch_size:
-            logger.warning("global batch size changed from %d to %d; the epoch continues at "
-                           "sample %d", saved["global_batch_size"], global_batch_size,
-                           self.position.offset if self.position else 0)
-        if global_batch_size < self.world_size:
-            raise ValueError(f"the global batch size {global_batch_size} is smaller than the "
-                             f"world size {self.world_size}")
-        self._data_settings = {"seed": seed, "dataset_size": dataset_size,
-                               "global_batch_size": global_batch_size}
-        if self.position is None:
-            self.position = DataPosition()
-            self.held = HeldStep(self.step, self.position, device=self.device)
-        return self.position
-
-    def batch_started(self, global_ids: torch.Tensor, after: DataPosition) -> None:
-        """The step now under way trains ``global_ids``; the data stands at ``after`` once
-        it is done."""
-        self.global_ids, self._next = global_ids, after
-
-    @property
-    def next_position(self) -> DataPosition | None:
-        """Where the data stands once the current step is done (``batches`` only)."""
-        return self._next
-
-    # -- one step
     @contextmanager
     def update(self) -> Iterator[None]:
         """Around the optimizer's (and scheduler's) step: no keep sees half an update, and
         on a GPU the step counts only once the device finished it (``HeldStep``)."""
-        with self.held.updating(self.step + 1, self._next):
+        with self._held.updating(self._step + 1, self._next):
             yield
-
-    def begin_update(self) -> None:
-        """``update()`` for a framework that calls back before the update and after it
-        (the optimizer's step, the scheduler's, its step count); ``end_update`` closes it.
-        A peer's fault in between keeps nothing of the half-applied update. A second call
-        before ``end_update`` is part of the same update (an optimizer such as LBFGS
-        calls a framework's closure, and its hook, several times in one step)."""
-        if self._open_update is not None:
-            return
-        stack = ExitStack()
-        stack.enter_context(self.update())
-        self._open_update = stack
-
-    def end_update(self) -> None:
-        """The update ``begin_update`` opened is complete."""
-        stack, self._open_update = self._open_update, None
-        if stack is not None:
-            stack.close()
 
     def step_done(self, loss: torch.Tensor | None = None, *,
                   total: float | None = None) -> float | None:
@@ -297,129 +366,180 @@ class ElasticLoop:
         """
         values = loss.detach().reshape(1) if loss is not None else None
         try:
-            agreed = self.guard.agree(values)
-            self.held.confirm()
+            agreed = self._guard.agree(values)
+            self._held.confirm()
         except Exception as exc:
-            self.fail(exc)
-        self.step += 1
+            self._fail(exc)
+        self._step += 1
         if self._next is not None:
-            self.position = self._next
+            self._position = self._next
         mean = None
         if agreed.values is not None:
-            mean = float(agreed.values[0].item()) / (total or self.world_size)
-        where = {} if self.position is None else {"epoch": self.position.epoch,
-                                                  "offset": self.position.offset}
-        self.emit("step", self.step, loss=mean, **where)  # where the data stands after it
+            mean = float(agreed.values[0].item()) / (total or self._world_size)
+        where = {} if self._position is None else {"epoch": self._position.epoch,
+                                                   "offset": self._position.offset}
+        self._emit("step", self._step, loss=mean, **where)  # where the data stands after it
         if agreed.stop:
             if agreed.restart:
                 self._stopped_for_restart()
             self._preempted()
-        s = self.settings
+        s = self._settings
         if (s.snapshot_dir is not None and s.snapshot_every > 0
-                and self.step % s.snapshot_every == 0
-                and (s.total_steps is None or self.step < s.total_steps)):
+                and self._step % s.snapshot_every == 0
+                and (s.total_steps is None or self._step < s.total_steps)):
             try:  # collective (every rank's RNG states go to rank 0): a peer may die in it
-                future = self.snapshots.commit(self.step, self.state())
+                future = self._snapshots.commit(self._step, self._state())
             except Exception as exc:
-                self.fail(exc)
-            future.add_done_callback(partial(self._report_snapshot, self.step))
+                self._fail(exc)
+            future.add_done_callback(partial(self._report_snapshot, self._step))
         return mean
 
-    def state(self, position: DataPosition | None = None) -> dict[str, Any]:
+    def finish(self, **fields: Any) -> None:
+        """Training completed: a durable snapshot of the last step (collective), then tell
+        the agent that the job is done (only this marks it finished). Logs ``done`` with
+        ``fields``."""
+        self._guard.begin_commit()
+        if self._resumed_from != self._step:  # a restart of a finished run has nothing new
+            self._commit_now()
+        self._guard.done()
+        self._emit("done", self._step, **fields)
+        logger.info("done at step %d", self._step)
+        self._close()
+
+    # -- inside
+    def _emit(self, event: str, step: int, **fields: Any) -> None:
+        """Log ``event`` to the metrics file (rank 0) and pass it to ``on_event``."""
+        self._events.emit(event, step, **fields)
+        if self._on_event is not None:
+            self._on_event(event, step, fields)
+
+    def _track(self, **named: Stateful) -> None:
+        self._objects.update(named)
+
+    def _restored_age_s(self) -> float | None:
+        restored = self._restored
+        if restored is None or restored.created is None or restored.source != Source.DISK:
+            return None
+        return max(0.0, self._times["restored_at"] - restored.created)
+
+    def _start_data(self, dataset_size: int, global_batch_size: int, *,
+                    seed: int = 0) -> DataPosition:
+        """Check a data order against the restored one and return where it continues.
+
+        Raises:
+            SnapshotError: the restored state was trained with another seed or dataset.
+            ValueError: fewer samples per step than ranks.
+        """
+        saved = self._data_settings
+        if saved and (saved.get("seed"), saved.get("dataset_size")) != (seed, dataset_size):
+            raise SnapshotError(
+                f"{self._restored.origin if self._restored else 'the restored state'} was "
+                f"taken with seed {saved.get('seed')} and dataset size "
+                f"{saved.get('dataset_size')}; this run has {seed} and {dataset_size}, so "
+                "its data order would not continue")
+        if saved.get("global_batch_size", global_batch_size) != global_batch_size:
+            logger.warning("global batch size changed from %d to %d; the epoch continues at "
+                           "sample %d", saved["global_batch_size"], global_batch_size,
+                           self._position.offset if self._position else 0)
+        if global_batch_size < self._world_size:
+            raise ValueError(f"the global batch size {global_batch_size} is smaller than the "
+                             f"world size {self._world_size}")
+        self._data_settings = {"seed": seed, "dataset_size": dataset_size,
+                               "global_batch_size": global_batch_size}
+        if self._position is None:
+            self._position = DataPosition()
+            self._held = HeldStep(self._step, self._position, device=self._device)
+        return self._position
+
+    def _batch_started(self, global_ids: torch.Tensor, after: DataPosition) -> None:
+        self._global_ids, self._next = global_ids, after
+
+    def _begin_update(self) -> None:
+        if self._open_update is not None:
+            return
+        stack = ExitStack()
+        stack.enter_context(self.update())
+        self._open_update = stack
+
+    def _end_update(self) -> None:
+        stack, self._open_update = self._open_update, None
+        if stack is not None:
+            stack.close()
+
+    def _abandon_update(self, why: str) -> None:
+        """An update ``_begin_update`` opened will not complete: it is never held, and its
+        lock is let go. Only from the thread that opened it (the main one)."""
+        stack = self._open_update
+        if stack is not None and threading.current_thread() is threading.main_thread():
+            self._open_update = None
+            stack.__exit__(RuntimeError, RuntimeError(why), None)
+
+    def _state(self, position: DataPosition | None = None) -> dict[str, Any]:
         """What a snapshot holds: the named objects and where the data stands."""
-        at = position if position is not None else self.position
+        at = position if position is not None else self._position
         state: dict[str, Any] = dict(self._objects)
         if at is not None:
             state["data"] = {**at.to_state(), **self._data_settings}
         return state
 
-    # -- the end, and the ways out
-    def finish(self, **fields: Any) -> None:
-        """Training completed: a durable snapshot of the last step (collective), then tell
-        the agent that the job is done (only this marks it finished). Logs ``done`` with
-        ``fields``."""
-        self.guard.begin_commit()
-        if self.resumed_from != self.step:  # a restart of a finished run has nothing new
-            self._commit_now()
-        self.guard.done()
-        self.emit("done", self.step, **fields)
-        logger.info("done at step %d", self.step)
-        self.close()
-
-    def fail(self, exc: BaseException) -> NoReturn:
+    def _fail(self, exc: BaseException) -> NoReturn:
         """A step raised ``exc``: a peer's fault under an etcd-ext agent keeps the held step
         and waits for the agent to stop this worker; anything else is raised again."""
-        exit_now(self.guard.failure_exit_code(exc))
+        exit_now(self._guard.failure_exit_code(exc))
 
-    def exit_on_peer_fault(self, exc: BaseException) -> None:
-        """For a framework's exception hook, before its own clean-up (which could wait on
-        the broken group): a peer's fault keeps the held step and waits here for the agent
-        to stop this worker; for anything else this returns."""
+    def _exit_on_peer_fault(self, exc: BaseException) -> None:
         try:
-            code = self.guard.failure_exit_code(exc)
+            code = self._guard.failure_exit_code(exc)
         except BaseException:  # not a peer's fault: the framework's to handle
             return
         exit_now(code)
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Flush what this worker wrote; the guard and the excepthook stand down. The
         process group is left alone: torch 2.13 can deadlock freeing a gloo group
         (pytorch issues 75097 and 56297), and the process exits next."""
         if self._closed:
             return
         self._closed = True
-        self.snapshots.close()
-        self.events.close()
+        self._snapshots.close()
+        self._events.close()
         if sys.excepthook == self._excepthook:
             sys.excepthook = self._previous_hook
-        self.guard.uninstall()
+        self._guard.uninstall()
 
     def _excepthook(self, kind: type[BaseException], exc: BaseException,
                     tb: TracebackType | None) -> None:
         if not self._closed and isinstance(exc, Exception):
-            self.exit_on_peer_fault(exc)  # else the usual traceback
+            self._exit_on_peer_fault(exc)  # else the usual traceback
         self._previous_hook(kind, exc, tb)
-
-    def abandon_update(self, why: str) -> None:
-        """An update ``begin_update`` opened will not complete (it raised): it is never
-        held, and its lock is let go. Only from the thread that opened it (the main one)."""
-        stack = self._open_update
-        if stack is not None and threading.current_thread() is threading.main_thread():
-            self._open_update = None
-            stack.__exit__(RuntimeError, RuntimeError(why), None)
-
-    @property
-    def closed(self) -> bool:
-        """``finish`` or ``close`` ran: this worker's part is over."""
-        return self._closed
 
     def _keep_on_fault(self, why: str) -> None:
         """The guard's ``keep_state``: keep the held step before leaving mid-step."""
         # Left between begin_update and end_update: that update is not held, and its lock
         # (this thread's) must be let go before the keep takes it.
-        self.abandon_update(why)
-        result = self.held.keep(
-            lambda step, position: self.snapshots.stage_kept(self.state(position)),
-            self.snapshots.write_kept)
-        step = result[0] if result is not None else (self.held.step or self.step)
+        self._abandon_update(why)
+        result = self._held.keep(
+            lambda step, position: self._snapshots.stage_kept(self._state(position)),
+            self._snapshots.write_kept)
+        step = result[0] if result is not None else (self._held.step or self._step)
         kept = result is not None and result[1] is not None
         if kept:
             logger.info("kept the state of step %d in node memory (%s)", step, why)
-        self.emit("fault", step, why=why, kept=step if kept else None)
+        self._emit("fault", step, why=why, kept=step if kept else None)
 
     def _commit_now(self) -> None:
-        if self.settings.snapshot_dir is None:
+        if self._settings.snapshot_dir is None:
             return
         try:
-            info = self.snapshots.commit_now(self.step, self.state())
+            info = self._snapshots.commit_now(self._step, self._state())
         except SnapshotError as exc:
             logger.error("%s", exc)
             exit_now(1)
         except Exception as exc:
-            self.fail(exc)
+            self._fail(exc)
         if info is not None:
-            self.emit("snapshot", self.step, blocking_s=info.blocking_s, write_s=info.write_s,
-                      bytes=info.size)
+            self._emit("snapshot", self._step, blocking_s=info.blocking_s,
+                       write_s=info.write_s, bytes=info.size)
 
     def _report_snapshot(self, step: int, future: Future[SnapshotInfo | None]) -> None:
         """In the writer thread, once a background snapshot is durable (or failed)."""
@@ -429,39 +549,157 @@ class ElasticLoop:
             logger.error("snapshot of step %d failed, training goes on: %s", step, exc)
             return
         if info is not None:
-            self.emit("snapshot", step, blocking_s=info.blocking_s, write_s=info.write_s,
-                      bytes=info.size)
+            self._emit("snapshot", step, blocking_s=info.blocking_s, write_s=info.write_s,
+                       bytes=info.size)
 
     def _stopped_for_restart(self) -> NoReturn:
         """Every signalled rank's agent restarts the round (a membership change): keep this
         step in node memory, where the next round's hand-off takes it from."""
         reason = control.leaving_reason() or "membership"
         logger.info("stopping at step %d: the etcd-ext agent restarts the round (%s)",
-                    self.step, reason)
-        kept = self.snapshots.keep_local(self.step, self.state())
-        self.emit("stopped", self.step, reason=reason,
-                  kept=self.step if kept is not None else None)
-        code = self.guard.preempted_exit_code()
-        self.close()
+                    self._step, reason)
+        kept = self._snapshots.keep_local(self._step, self._state())
+        self._emit("stopped", self._step, reason=reason,
+                   kept=self._step if kept is not None else None)
+        code = self._guard.preempted_exit_code()
+        self._close()
         exit_now(code)
 
     def _preempted(self) -> NoReturn:
         """A real stop (SIGTERM, SIGINT, SIGUSR2, or the job's stop): keep the step in node
         memory, commit it durably, exit 0 once this worker's own signal came."""
-        received = self.guard.signalled
-        logger.warning("stopping at step %d: %s", self.step,
+        received = self._guard.signalled
+        logger.warning("stopping at step %d: %s", self._step,
                        f"got {signal.Signals(received).name}" if received
                        else "a peer was signalled")
-        self.snapshots.keep_local(self.step, self.state())
+        self._snapshots.keep_local(self._step, self._state())
         self._commit_now()
-        code = self.guard.preempted_exit_code()
+        code = self._guard.preempted_exit_code()
         # After the wait for this worker's own signal: its agent may tell it of the job's
         # stop a moment after a peer's agent did.
-        received = self.guard.signalled
-        self.emit("preempted", self.step,
-                  signal=signal.Signals(received).name if received else None)
-        self.close()
+        received = self._guard.signalled
+        self._emit("preempted", self._step,
+                   signal=signal.Signals(received).name if received else None)
+        self._close()
         exit_now(code)
 
 
-__all__ = ["ElasticLoop", "EventHook", "LoopSettings"]
+class FrameworkHooks:
+    """``ElasticLoop.framework``: for framework integrations (``elastic_ext.integrations``),
+    the bundled trainer (``trainer/``) and ``StepSampler``, whose loops are not written by
+    hand: a framework calls back before and after the update rather than around it,
+    creates its optimizer after the restore, owns its data loader and its exception
+    handling. A loop written by hand needs none of this.
+    """
+
+    def __init__(self, loop: ElasticLoop) -> None:
+        self._loop = loop
+
+    # -- the update, in two calls
+    def begin_update(self) -> None:
+        """``ElasticLoop.update()`` for a framework that calls back before the update and
+        after it (the optimizer's step, the scheduler's, its step count); ``end_update``
+        closes it. A peer's fault in between keeps nothing of the half-applied update. A
+        second call before ``end_update`` is part of the same update (an optimizer such as
+        LBFGS calls a framework's closure, and its hook, several times in one step)."""
+        self._loop._begin_update()
+
+    def end_update(self) -> None:
+        """The update ``begin_update`` opened is complete."""
+        self._loop._end_update()
+
+    def abandon_update(self, why: str) -> None:
+        """An update ``begin_update`` opened will not complete (it raised): it is never
+        held, and its lock is let go. Only from the thread that opened it (the main one)."""
+        self._loop._abandon_update(why)
+
+    # -- what is saved, and what was restored
+    def track(self, **named: Stateful) -> None:
+        """Add to what the loop saves objects that exist only after ``restore`` (a
+        framework creates its optimizer and scheduler when training starts); their
+        restored state is in ``restored.state``, for the framework to load itself."""
+        self._loop._track(**named)
+
+    @property
+    def restored(self) -> Restored | None:
+        """What ``restore`` loaded (its step, source, and the entries the framework loads
+        itself), or None for a fresh start."""
+        return self._loop._restored
+
+    @property
+    def resumed_from(self) -> int | None:
+        """The step ``restore`` continued from, or None for a fresh start."""
+        return self._loop._resumed_from
+
+    @property
+    def restored_age_s(self) -> float | None:
+        """How old the restored snapshot is, when it came from disk (else None)."""
+        return self._loop._restored_age_s()
+
+    @property
+    def held_step(self) -> int | None:
+        """The completed step the state holds now, which a keep would save; None while an
+        update is being applied."""
+        return self._loop._held.step
+
+    # -- data for a framework that owns the data loader
+    def batch_sampler(self, dataset_size: int, global_batch_size: int, *,
+                      seed: int = 0) -> StepSampler:
+        """``ElasticLoop.batches`` as a ``DataLoader``'s ``batch_sampler``, for a framework
+        that owns the loop (one epoch per iteration); its hook at the start of each step's
+        batch calls ``StepSampler.started``."""
+        return StepSampler(self, dataset_size, global_batch_size, seed=seed,
+                           rank=self._loop.rank, world_size=self._loop.world_size)
+
+    def start_data(self, dataset_size: int, global_batch_size: int, *,
+                   seed: int = 0) -> DataPosition:
+        """Check a data order against the restored one and return where it continues (the
+        sampler's start of each pass).
+
+        Raises:
+            SnapshotError: the restored state was trained with another seed or dataset.
+            ValueError: fewer samples per step than ranks.
+        """
+        return self._loop._start_data(dataset_size, global_batch_size, seed=seed)
+
+    def batch_started(self, global_ids: torch.Tensor, after: DataPosition) -> None:
+        """The step now under way trains ``global_ids``; the data stands at ``after`` once
+        it is done (the sampler tells it, as the framework fetches ahead)."""
+        self._loop._batch_started(global_ids, after)
+
+    @property
+    def global_ids(self) -> torch.Tensor | None:
+        """The step under way's sample ids, every rank's share (``batches`` or the
+        sampler)."""
+        return self._loop._global_ids
+
+    @property
+    def next_position(self) -> DataPosition | None:
+        """Where the data stands once the step under way is done."""
+        return self._loop._next
+
+    # -- faults and the end
+    def fail(self, exc: BaseException) -> NoReturn:
+        """A step raised ``exc`` where the framework catches it: a peer's fault under an
+        etcd-ext agent keeps the held step and waits for the agent to stop this worker;
+        anything else is raised again."""
+        self._loop._fail(exc)
+
+    def exit_on_peer_fault(self, exc: BaseException) -> None:
+        """For a framework's exception hook, before its own clean-up (which could wait on
+        the broken group): a peer's fault keeps the held step and waits here for the agent
+        to stop this worker; for anything else this returns."""
+        self._loop._exit_on_peer_fault(exc)
+
+    def close(self) -> None:
+        """Flush what this worker wrote; the guard and the excepthook stand down (``finish``
+        does it too). The process group is left alone: the process exits next."""
+        self._loop._close()
+
+    @property
+    def closed(self) -> bool:
+        """``finish`` or ``close`` ran: this worker's part is over."""
+        return self._loop._closed
+
+
+__all__ = ["ElasticLoop", "EventHook", "FrameworkHooks", "LoopSettings"]

@@ -20,10 +20,7 @@ from elastic_ext.worker.loop.data import DataPosition, next_batch, shard, steps_
 
 
 class StepSource(Protocol):
-    """What the sampler needs of ``ElasticLoop``."""
-
-    rank: int
-    world_size: int
+    """What the sampler needs of ``ElasticLoop``: its ``framework`` hooks."""
 
     def start_data(self, dataset_size: int, global_batch_size: int, *,
                    seed: int = 0) -> DataPosition: ...
@@ -40,11 +37,13 @@ class StepSampler:
     """
 
     def __init__(self, loop: StepSource, dataset_size: int, global_batch_size: int, *,
-                 seed: int = 0) -> None:
+                 rank: int, world_size: int, seed: int = 0) -> None:
+        """``loop``: ``ElasticLoop.framework``; ``rank`` and ``world_size``: the loop's."""
         if not 0 < global_batch_size <= dataset_size:
             raise ValueError(f"global batch size {global_batch_size} must be in "
                              f"1..{dataset_size} (the dataset's size)")
         self.loop = loop
+        self.rank, self.world_size = rank, world_size
         self.dataset_size, self.global_batch_size, self.seed = (dataset_size, global_batch_size,
                                                                 seed)
         self._yielded: deque[tuple[torch.Tensor, DataPosition]] = deque()
@@ -60,7 +59,7 @@ class StepSampler:
         epoch = after.epoch
         while after.epoch == epoch:
             self._yielded.append((ids, after))
-            yield shard(ids, self.loop.rank, self.loop.world_size).tolist()
+            yield shard(ids, self.rank, self.world_size).tolist()
             ids, after = next_batch(after, self.seed, self.global_batch_size,
                                     self.dataset_size)
 

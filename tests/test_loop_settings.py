@@ -1,0 +1,90 @@
+"""``LoopSettings``: the renamed fields' old keyword names, and timeouts checked against
+each other at construction (pure: nothing starts)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+
+import pytest
+
+from elastic_ext.worker.loop import LoopSettings
+from trainer.train import Trainer, TrainSettings
+
+TIMEOUTS = ("collective_timeout_s", "stop_grace_s", "preempt_grace_s", "hold_timeout_s")
+
+
+def test_the_fields_say_what_they_are() -> None:
+    names = [f.name for f in dataclasses.fields(LoopSettings)]
+    assert names == ["snapshot_dir", "snapshot_every", "keep_snapshots", "total_steps",
+                     "device", "collective_backend", "collective_timeout_s", "stop_grace_s",
+                     "preempt_grace_s", "hold_timeout_s", "events_file"]
+
+
+@pytest.mark.parametrize(("old", "new", "value"), [
+    ("metrics", "events_file", Path("events.jsonl")),
+    ("backend", "collective_backend", "gloo"),
+    ("keep", "keep_snapshots", 5),
+])
+def test_an_old_keyword_still_works_with_a_warning_naming_the_new_one(
+        old: str, new: str, value: object) -> None:
+    with pytest.warns(DeprecationWarning, match=f"LoopSettings\\({old}=...\\) is deprecated: "
+                                                f"use {new}=") as caught:
+        settings = LoopSettings(**{old: value})  # type: ignore[arg-type]
+    assert getattr(settings, new) == value
+    assert settings == LoopSettings(**{new: value})  # type: ignore[arg-type]
+    assert caught[0].filename == __file__  # points at the caller's line
+
+
+def test_an_old_keyword_given_as_none_still_warns() -> None:
+    with pytest.warns(DeprecationWarning, match="use events_file="):
+        assert LoopSettings(metrics=None).events_file is None
+
+
+def test_the_new_names_do_not_warn_and_replace_keeps_them() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        settings = LoopSettings(events_file=Path("e"), collective_backend="gloo",
+                                keep_snapshots=2)
+        again = dataclasses.replace(settings, snapshot_every=4)
+    assert (again.events_file, again.collective_backend, again.keep_snapshots,
+            again.snapshot_every) == (Path("e"), "gloo", 2, 4)
+
+
+def test_a_field_under_both_names_is_refused_naming_both() -> None:
+    with pytest.raises(TypeError, match="both metrics= and events_file=: give events_file"):
+        LoopSettings(events_file=Path("a"), metrics=Path("b"))
+
+
+@pytest.mark.parametrize("name", TIMEOUTS)
+@pytest.mark.parametrize("value", [0, -1.0, float("nan")])
+def test_a_timeout_that_is_not_a_positive_number_is_refused_naming_it(
+        name: str, value: float) -> None:
+    with pytest.raises(ValueError, match=f"LoopSettings.{name}=.* must be a positive number "
+                                         "of seconds"):
+        LoopSettings(**{name: value})  # type: ignore[arg-type]
+
+
+def test_a_stop_grace_longer_than_the_preemption_grace_is_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match="stop_grace_s=40 is longer than preempt_grace_s=30: "
+                                         ".*raise preempt_grace_s to at least 40 or lower "
+                                         "stop_grace_s"):
+        LoopSettings(stop_grace_s=40, preempt_grace_s=30)
+    assert LoopSettings(stop_grace_s=30, preempt_grace_s=30).stop_grace_s == 30  # equal: fine
+
+
+def test_the_defaults_and_the_trainer_defaults_pass() -> None:
+    LoopSettings()
+    s = TrainSettings()
+    LoopSettings(collective_timeout_s=s.collective_timeout, stop_grace_s=s.stop_grace,
+                 preempt_grace_s=s.preempt_grace, hold_timeout_s=s.hold_timeout)
+
+
+def test_the_trainer_refuses_such_flags_before_it_starts_anything() -> None:
+    """``--stop-grace 40 --preempt-grace 30``: the trainer's ``trainer: ...`` exit, before
+    the guard or the process group exist."""
+    with pytest.raises(SystemExit, match="trainer: LoopSettings.stop_grace_s=40 is longer"):
+        Trainer(TrainSettings(stop_grace=40, preempt_grace=30))
+    with pytest.raises(SystemExit, match="trainer: LoopSettings.hold_timeout_s=0 must be"):
+        Trainer(TrainSettings(hold_timeout=0))
