@@ -161,3 +161,26 @@ def test_workers_that_never_report_count_as_progressing_after_a_while() -> None:
     reporting.watch(("g", 2))
     clock.now += PROGRESS_WITHOUT_REPORTS_S
     assert not reporting.progress(head(round=2), Reports())  # they report: wait for it
+
+
+def test_a_tick_weighs_only_the_round_it_began_with() -> None:
+    rounds = watching()
+    asked: list[tuple[str, int]] = []
+
+    def lost_of(round_: tuple[str, int]) -> frozenset[str]:
+        asked.append(round_)
+        return frozenset({"other"})
+
+    dead = frozenset({"other"})
+    assert rounds.after_read(None, head(), dead, lost_of, Reports()) == ([], False)
+    assert rounds.after_read(("g", 0), head(), dead, lost_of, Reports()) == ([], False)
+    assert asked == []
+    actions, record = rounds.after_read(ROUND, head(), dead, lost_of, Reports(progress=True))
+    assert asked == [ROUND] and record
+    assert actions == [TellLost(1, "dead or hung: other"),
+                       Leave(1, Pressure(1, "dead or hung: other", Reason.MEMBERSHIP))]
+    gone = watching()
+    assert gone.after_read(ROUND, None, dead, lost_of, Reports(progress=True)) == (
+        [Leave(1, Pressure(1, "the run's state is gone: the job finished", Reason.MEMBERSHIP))],
+        False)
+    assert not gone.progressed  # no head: nothing to record against

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from elastic_ext.rendezvous.protocol.head import Head
 from elastic_ext.rendezvous.protocol.liveness import LEFT, Liveness, Verdict
 from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, RunState
-from elastic_ext.rendezvous.protocol.watcher import Sighting, Watcher, held_nodes
+from elastic_ext.rendezvous.protocol.watcher import Judgement, Sighting, Watcher, held_nodes
 
 TIMEOUT_S = 3.0
 
@@ -58,6 +58,10 @@ def following(watcher: str, beats: dict[str, bytes | None], verdict: Verdict | N
     return Sighting(head, watcher, False, frozenset(), beats, verdict, None)
 
 
+def reported(judgement: Judgement) -> list[tuple[str, bool]]:
+    return [(death.node, death.left) for death in judgement.to_report]
+
+
 def make() -> tuple[Watcher, Clock]:
     clock = Clock()
     return Watcher("me", Liveness(TIMEOUT_S, clock)), clock
@@ -66,14 +70,21 @@ def make() -> tuple[Watcher, Clock]:
 def test_a_still_heartbeat_is_dead_after_the_timeout_and_reported_once() -> None:
     watcher, clock = make()
     state = closed("me", "a", "b")
-    reports: list[tuple[tuple[str, bool], ...]] = []
+    reports: list[list[tuple[str, bool]]] = []
     for step in range(8):
         judgement = watcher.judge(judging(state, {"a": f"{step}".encode(), "b": b"1"}), Probes())
-        reports.append(judgement.to_report)
+        reports.append(reported(judgement))
         clock.now += 1.0
     assert judgement.dead == {"b"} and judgement.left == frozenset()
-    assert [r for r in reports if r] == [(("b", False),)]
-    assert watcher.dead == {"b"}
+    assert judgement.to_report == () and watcher.dead == {"b"}
+    assert [r for r in reports if r] == [[("b", False)]]
+    assert not watcher.judge(judging(state, {"a": b"9", "b": b"2"}), Probes()).dead
+    for _ in range(int(TIMEOUT_S)):
+        clock.now += 1.0
+        again = watcher.judge(judging(state, {"a": b"9", "b": b"2"}), Probes())
+    assert [d.message for d in again.to_report] == [
+        "node a declared dead (no heartbeat change)", "node b declared dead (no heartbeat change)"]
+    assert watcher.dead == {"a", "b"}
 
 
 def test_a_death_is_reported_again_after_the_node_beat_in_between() -> None:
@@ -82,21 +93,22 @@ def test_a_death_is_reported_again_after_the_node_beat_in_between() -> None:
     for _ in range(4):
         judgement = watcher.judge(judging(state, {"a": b"1"}), Probes())
         clock.now += 1.0
-    assert judgement.to_report == (("a", False),)
+    assert reported(judgement) == [("a", False)]
     assert not watcher.judge(judging(state, {"a": b"2"}), Probes()).dead
     for _ in range(4):
         clock.now += 1.0
         judgement = watcher.judge(judging(state, {"a": b"2"}), Probes())
         if judgement.dead:
             break
-    assert judgement.to_report == (("a", False),)
+    assert reported(judgement) == [("a", False)]
 
 
 def test_a_node_that_wrote_left_is_dead_and_left_at_once() -> None:
     watcher, _ = make()
     judgement = watcher.judge(judging(closed("me", "a"), {"a": LEFT}), Probes())
     assert judgement.dead == {"a"} and judgement.left == {"a"}
-    assert judgement.to_report == (("a", True),)
+    assert reported(judgement) == [("a", True)]
+    assert judgement.to_report[0].message == "node a left"
 
 
 def test_an_ended_presence_connection_is_dead_without_waiting_for_the_timeout() -> None:
@@ -121,7 +133,9 @@ def test_a_follower_goes_by_the_watchers_verdict_of_its_generation_only() -> Non
     verdict = Verdict("w", "g", frozenset({"x", "y"}), frozenset({"y"}))
     judgement = watcher.judge(following("w", {"w": b"1"}, verdict), Probes())
     assert judgement.dead == {"x", "y"} and judgement.left == {"y"}
-    assert judgement.to_report == (("x", False), ("y", True))
+    assert reported(judgement) == [("x", False), ("y", True)]
+    assert [d.message for d in judgement.to_report] == [
+        "node x declared dead (no heartbeat change, judged by w)", "node y left"]
     for stale in (Verdict("other", "g", frozenset({"x"})), Verdict("w", "old", frozenset({"x"}))):
         fresh, _ = make()
         assert not fresh.judge(following("w", {"w": b"1"}, stale), Probes()).dead

@@ -15,12 +15,9 @@ to each watched node's presence port and reads a killed agent's end from it (``p
 It also carries this node's preemption notice to the run's state and settles it with
 the other nodes' (``drain.py``), and passes a whole-job stop on to the workers.
 
-The keeper is the thread and the I/O only, as torch's ``dynamic_rendezvous.py`` keeps its
-decisions apart from the executor that applies them: it reads the store
-(``keeper_read``), asks the deciders (``protocol/watcher.py`` judges the others,
-``protocol/pressure.py`` weighs the round and its progress; ``presence_book.py`` says
-where the others listen), and turns their answers into store writes, control-channel
-writes and events.
+Decisions apart from I/O, as in torch's ``dynamic_rendezvous.py``: the keeper reads the
+store, asks the pure deciders (``watcher.py`` judges, ``pressure.py`` weighs the round;
+``presence_book.py`` says where the others listen) and carries out their answers.
 """
 
 from __future__ import annotations
@@ -264,29 +261,19 @@ class Keeper:
             self._book.learn_infos(infos)
         judgement = self._watcher.judge(
             seen, lambda nodes: self._held.gone_among(self._book.targets(nodes)))
-        for node, left in judgement.to_report:
-            if left:
-                self._events.emit(EventKind.NODE_LEFT, f"node {node} left", peer=node)
-            else:
-                self._events.emit(EventKind.NODE_DEAD,
-                                  f"node {node} declared dead (no heartbeat change"
-                                  + ("" if seen.judging else f", judged by {seen.watcher}")
-                                  + ")", peer=node)
+        for death in judgement.to_report:
+            self._events.emit(EventKind.NODE_LEFT if death.left else EventKind.NODE_DEAD,
+                              death.message, peer=death.node)
         return judgement
 
     def _weigh(self, seen: Sighting, dead: frozenset[str], watched: tuple[str, int] | None
                ) -> bool:
-        """Ask the pressure decider about the round ``watched`` and act on it (under
-        ``_lock``); True when the run's state should learn from us that the round trained."""
-        round_ = self._rounds.round
-        if round_ is None or round_ != watched:
-            return False  # not in a round, or it changed while we read
-        if seen.head is None:
-            self._apply(self._rounds.state_gone())
-            return False
-        record_progress = self._rounds.progress(seen.head, self._control)
-        lost = self._view.lost_of(round_, dead, seen.verdict)
-        self._apply(self._rounds.weigh(seen.head, dead, lost, self._control))
+        """Ask the pressure decider about the round and act on it (under ``_lock``); True
+        when the run's state should learn from us that the round trained."""
+        actions, record_progress = self._rounds.after_read(
+            watched, seen.head, dead,
+            lambda round_: self._view.lost_of(round_, dead, seen.verdict), self._control)
+        self._apply(actions)
         return record_progress
 
     def _apply(self, actions: list[Action]) -> None:

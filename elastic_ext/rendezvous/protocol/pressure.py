@@ -10,6 +10,7 @@ returns what the keeper is to do: ``Leave`` the round, ``TellLost`` to the worke
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -92,6 +93,19 @@ class RoundPressure:
                 and reports.fault_reported(self.round[1]) is not None:
             self.pressure = Pressure(1, "a worker reported a peer fault while the store is "
                                         "unreachable", Reason.FAILURE)
+
+    def after_read(self, watched: tuple[str, int] | None, head: Head | None,
+                   dead: frozenset[str], lost_of: Callable[[tuple[str, int]], frozenset[str]],
+                   reports: WorkerReports) -> tuple[list[Action], bool]:
+        """What one tick's read calls for (the tick began watching ``watched``; ``lost_of``
+        gives the dead of our round), and whether the run's state should learn from us
+        that the round trained (``progress``)."""
+        if self.round is None or self.round != watched:
+            return [], False  # not in a round, or it changed while the tick read
+        if head is None:
+            return self.state_gone(), False
+        record_progress = self.progress(head, reports)
+        return self.weigh(head, dead, lost_of(self.round), reports), record_progress
 
     def state_gone(self) -> list[Action]:
         """The last agent of a finished job removed the run's keys while this one was away

@@ -58,13 +58,23 @@ class Sighting:
 
 
 @dataclass(frozen=True)
+class Death:
+    """A death to report (an event, once per death): the node, whether it left, and what
+    the event says."""
+
+    node: str
+    left: bool
+    message: str
+
+
+@dataclass(frozen=True)
 class Judgement:
-    """The tick's verdict: the dead and, of them, who left; the deaths not reported yet
-    (each with whether the node left), and the verdict to publish, if it changed."""
+    """The tick's verdict: the dead and, of them, who left; the deaths not reported yet,
+    and the verdict to publish, if it changed."""
 
     dead: frozenset[str]
     left: frozenset[str]
-    to_report: tuple[tuple[str, bool], ...] = ()
+    to_report: tuple[Death, ...] = ()
     publish: Verdict | None = None
 
 
@@ -97,7 +107,8 @@ class Watcher:
         self.liveness.observe(seen.beats)
         dead, left = self._dead_and_left(seen, gone_among)
         self.dead = dead
-        to_report = tuple((node, node in left) for node in sorted(dead - self._reported))
+        to_report = tuple(_death(node, node in left, seen)
+                          for node in sorted(dead - self._reported))
         self._reported = (self._reported | dead) - (set(seen.beats) - dead)
         state = seen.state
         verdict = watcher_verdict(self._me, state, dead, left) \
@@ -128,3 +139,12 @@ class Watcher:
             self._inherited, self._inherited_left = set(verdict.dead), set(verdict.left)
             return frozenset(own | verdict.dead), frozenset(left | verdict.left)
         return frozenset(own), frozenset(left)
+
+
+def _death(node: str, left: bool, seen: Sighting) -> Death:
+    """The report of ``node``'s death: it left, or we (or the watcher we go by) declared
+    it dead."""
+    if left:
+        return Death(node, True, f"node {node} left")
+    by = "" if seen.judging else f", judged by {seen.watcher}"
+    return Death(node, False, f"node {node} declared dead (no heartbeat change{by})")
