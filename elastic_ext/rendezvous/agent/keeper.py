@@ -45,6 +45,7 @@ from elastic_ext.rendezvous.protocol.policy import Limits
 from elastic_ext.rendezvous.protocol.pressure import Action, Pressure, RoundPressure, TellLost
 from elastic_ext.rendezvous.protocol.state import RunState
 from elastic_ext.rendezvous.protocol.watcher import Judgement, Sighting, Watcher
+from elastic_ext.rendezvous.settings import Settings
 from elastic_ext.rendezvous.stores.contract import StoreBackend
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,16 @@ class Keeper:
         self._held = PresenceWatch()  # used by the tick's thread only
         self._notices = NoticeRelay(backend, node, limits=limits, control=control,
                                     events=events, clock=clock, wake=self._wake.set)
+
+    @classmethod
+    def for_settings(cls, backend: StoreBackend, node: str, settings: Settings, *,
+                     control: AgentControl, events: EventLog, clock: Clock = SYSTEM_CLOCK
+                     ) -> Keeper:
+        """The keeper of a node of the job ``settings`` describe: its heartbeat interval
+        and timeout, and the job's ``Limits``."""
+        return cls(backend, node, interval=settings.timeouts.heartbeat_interval,
+                   timeout=settings.timeouts.heartbeat, limits=Limits.of(settings),
+                   control=control, events=events, clock=clock)
 
     # -- what the handler reads ---------------------------------------------------------
     @property
