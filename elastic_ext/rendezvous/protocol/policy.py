@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from elastic_ext.rendezvous.protocol.head import Head
 from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, Reason, RunState, Status
-from elastic_ext.rendezvous.settings import Settings
+
+if TYPE_CHECKING:  # the settings are only read here, never parsed
+    from elastic_ext.rendezvous.settings import Settings
 
 
 @dataclass(frozen=True)
