@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 
-from elastic_ext.rendezvous.agent.run_view import watcher_verdict
 from elastic_ext.rendezvous.errors import CorruptStateError
 from elastic_ext.rendezvous.protocol.head import (
     Head,
@@ -19,6 +18,7 @@ from elastic_ext.rendezvous.protocol.head import (
 )
 from elastic_ext.rendezvous.protocol.policy import Limits, head_pressure, restart_pressure
 from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, Reason, RunState, Status
+from elastic_ext.rendezvous.protocol.watcher import watcher_verdict
 
 LIMITS = Limits(min_nodes=1, max_nodes=4, last_call=1.0, max_restarts=3)
 

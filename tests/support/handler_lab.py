@@ -14,9 +14,9 @@ from elastic_ext.agent.control import AgentControl
 from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.rendezvous.agent.handler import EtcdExtRendezvousHandler
 from elastic_ext.rendezvous.agent.keeper import Keeper
-from elastic_ext.rendezvous.agent.run_view import watcher_verdict
 from elastic_ext.rendezvous.protocol.liveness import Verdict
 from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, RunState
+from elastic_ext.rendezvous.protocol.watcher import watcher_verdict
 from tests.support.memory_backend import MemoryBackend, MemoryStore
 from tests.support.stores import settings_for
 

@@ -32,10 +32,14 @@ from elastic_ext.rendezvous.agent.keeper import Keeper
 from elastic_ext.rendezvous.agent.lifecycle import Lifecycle, read_state
 from elastic_ext.rendezvous.agent.probes import Probes
 from elastic_ext.rendezvous.agent.prometheus import AgentMetrics
-from elastic_ext.rendezvous.agent.session_context import Memory, NodeContext, wait_out_outage
+from elastic_ext.rendezvous.agent.session_context import (
+    Memory,
+    RunAccess,
+    SessionParts,
+    wait_out_outage,
+)
 from elastic_ext.rendezvous.errors import StoreUnavailableError
 from elastic_ext.rendezvous.protocol.clock import SYSTEM_CLOCK, Clock
-from elastic_ext.rendezvous.protocol.policy import Limits
 from elastic_ext.rendezvous.protocol.state import Phase, Status
 from elastic_ext.rendezvous.settings import Settings
 from elastic_ext.rendezvous.stores.contract import StoreBackend
@@ -85,25 +89,22 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         self._node = node_id or make_node_id()
         addr = settings.local_addr or socket.getfqdn()
         self._clock = clock
-        limits = Limits(settings.min_nodes, settings.max_nodes, settings.timeouts.last_call,
-                        settings.max_restarts)
         self._control = control or AgentControl()
         self._metrics = metrics
         self._starter = starter
         self._events = EventLog(settings.run_id, self._node, addr, events_file,
                                 listeners=[metrics.on_event] if metrics else [])
-        self.keeper = Keeper(backend.clone(), self._node,
-                             interval=settings.timeouts.heartbeat_interval,
-                             timeout=settings.timeouts.heartbeat, limits=limits,
-                             control=self._control, events=self._events, clock=clock)
+        self.keeper = Keeper.for_settings(backend.clone(), self._node, settings,
+                                          control=self._control, events=self._events,
+                                          clock=clock)
         if metrics is not None:
             metrics.watch_peers(self.keeper.peer_silence)
         self._keeper_thread = keeper_thread
         self._keeper_started = False
         self._lifecycle = Lifecycle(self._node, settings, backend, self.keeper, self._events)
-        self._context = NodeContext(
-            node=self._node, addr=addr, settings=settings, limits=limits, backend=backend,
-            clock=clock, keeper=self.keeper, events=self._events, control=self._control,
+        self._access = RunAccess(node=self._node, settings=settings, backend=backend, clock=clock)
+        self._parts = SessionParts(
+            addr=addr, keeper=self.keeper, events=self._events, control=self._control,
             probes=Probes(self._node, backend, self.keeper, self._events),
             lifecycle=self._lifecycle)
         self._memory = Memory()  # what one next_rendezvous call leaves to the next
@@ -149,7 +150,7 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         self._start_keeper()
         if self._memory.completed is None:
             self._wait_for_starter_before_joining_a_running_job()
-        seat = JoinSession(self._context, self._memory).run()
+        seat = JoinSession(self._access, self._parts, self._memory).run()
         return RendezvousInfo(
             store=self._backend.round_store(seat.generation, seat.round),
             rank=seat.rank, world_size=seat.world_size,

@@ -15,10 +15,11 @@ gives on the state: where it would differ, the step answers None.
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
-from elastic_ext.rendezvous.agent.session_context import Memory, NodeContext
+from elastic_ext.rendezvous.agent.session_context import Memory, RunAccess
 from elastic_ext.rendezvous.protocol.head import Head, Seat
 from elastic_ext.rendezvous.protocol.state import Phase, Status
 from elastic_ext.rendezvous.stores.contract import Token
@@ -33,17 +34,23 @@ WAITED = "waited"
 """``HeadPath.step``: it waited for the round to move; step again."""
 
 
+class DeathJudge(Protocol):
+    """The keeper, as the head path asks it: whether a round's closer is judged dead."""
+
+    def dead_among(self, nodes: set[str]) -> frozenset[str]: ...
+
+
 class HeadPath:
     """One ``next_rendezvous`` call's join by key (the round, its place among the joiners)
     and its steps on the head."""
 
-    def __init__(self, context: NodeContext, memory: Memory) -> None:
-        self._node = context.node
-        self._settings = context.settings
-        self._max_nodes = context.limits.max_nodes
-        self._backend = context.backend
-        self._clock = context.clock
-        self._keeper = context.keeper
+    def __init__(self, run: RunAccess, keeper: DeathJudge, memory: Memory) -> None:
+        self._node = run.node
+        self._settings = run.settings
+        self._max_nodes = run.settings.max_nodes
+        self._backend = run.backend
+        self._clock = run.clock
+        self._keeper = keeper
         self._memory = memory
         self.round: tuple[str, int] | None = None  # the round this call joined by key
         self.position = 0  # an upper bound of its place among the round's nodes

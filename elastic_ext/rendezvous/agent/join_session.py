@@ -9,7 +9,8 @@ from a closer that leaves the round idle. Where the store keeps heads, every ste
 and this node's seat can settle is taken on them (``head_path.py``): a round change in a
 few hundred bytes instead of the whole state. What outlives a call (the round this node last
 joined, when each open round reached MIN nodes, ...) is the handler's ``Memory``, handed
-to every session; the handles a session works with are the handler's ``NodeContext``.
+to every session; the handles a session works with are the handler's ``RunAccess`` and
+``SessionParts``.
 
 ``decide`` is the state machine; this module is its I/O, as in torch's
 ``dynamic_rendezvous.py``: it reads and compare-and-swaps the state, writes join keys,
@@ -29,7 +30,12 @@ from elastic_ext.rendezvous.agent.events import EventKind
 from elastic_ext.rendezvous.agent.head_path import WAITED, HeadPath
 from elastic_ext.rendezvous.agent.head_path import WAKE_S as _WAKE_S
 from elastic_ext.rendezvous.agent.lifecycle import read_state
-from elastic_ext.rendezvous.agent.session_context import Memory, NodeContext, wait_out_outage
+from elastic_ext.rendezvous.agent.session_context import (
+    Memory,
+    RunAccess,
+    SessionParts,
+    wait_out_outage,
+)
 from elastic_ext.rendezvous.errors import StoreUnavailableError
 from elastic_ext.rendezvous.protocol.head import Head, Seat, seat_of
 from elastic_ext.rendezvous.protocol.joins import (
@@ -38,7 +44,7 @@ from elastic_ext.rendezvous.protocol.joins import (
     is_own_join,
     removed_members,
 )
-from elastic_ext.rendezvous.protocol.policy import Joined, View, Write, decide
+from elastic_ext.rendezvous.protocol.policy import Joined, Limits, View, Write, decide
 from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, Reason, RunState, Status
 from elastic_ext.rendezvous.stores.contract import Token
 
@@ -60,20 +66,20 @@ deleted between its ``check`` and its ``multi_get`` made that read wait out
 class JoinSession:
     """One call's way into a closed round; ``run`` once, then drop it."""
 
-    def __init__(self, context: NodeContext, memory: Memory) -> None:
-        self._node = context.node
-        self._addr = context.addr
-        self._settings = context.settings
-        self._limits = context.limits
-        self._backend = context.backend
-        self._clock = context.clock
-        self._keeper = context.keeper
-        self._events = context.events
-        self._control = context.control
-        self._probes = context.probes
-        self._lifecycle = context.lifecycle
+    def __init__(self, run: RunAccess, parts: SessionParts, memory: Memory) -> None:
+        self._node = run.node
+        self._settings = run.settings
+        self._limits = Limits.of(run.settings)
+        self._backend = run.backend
+        self._clock = run.clock
+        self._addr = parts.addr
+        self._keeper = parts.keeper
+        self._events = parts.events
+        self._control = parts.control
+        self._probes = parts.probes
+        self._lifecycle = parts.lifecycle
         self._memory = memory
-        self._path = HeadPath(context, memory)  # our join by key, and the head's steps
+        self._path = HeadPath(run, parts.keeper, memory)  # our join by key, the head's steps
         self._joins = CloserJoins(self._backend, self._limits.min_nodes,
                                   self._limits.max_nodes)
         self._read_at = float("-inf")  # when the loop last read the state itself

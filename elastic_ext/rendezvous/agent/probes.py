@@ -1,9 +1,10 @@
 """What the rendezvous learns by probing other agents (``presence.py``, through the keeper).
 
-The keeper owns the probes and the presence ports it reads itself; the rendezvous adds
-the addresses and ports the states it reads name, and asks two things: which nodes of
-its last round do not answer at all (reported with its join, ``policy.unreachable_by_most``)
-and which nodes an open round would wait for whose agent is gone for sure.
+The keeper owns the probes and the presence ports it reads itself (its ``PresenceBook``);
+the rendezvous adds the addresses and ports the states it reads name, and asks two things:
+which nodes of its last round do not answer at all (reported with its join,
+``policy.unreachable_by_most``) and which nodes an open round would wait for whose agent
+is gone for sure.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@ change), the whole state only while the keeper judges everyone (it names them), 
 follows for its round: whether it judges, and the dead of its round.
 
 A keeper that neither closes nor watches the round judges only the watcher and goes by
-the watcher's verdict, which names the dead of the last closed round (``watcher_verdict``),
-so it never needs the round's member list: at 1,024 agents every keeper reading the
-whole state at each change was O(N²) bytes for the job (issue 27).
+the watcher's verdict, which names the dead of the last closed round
+(``watcher.watcher_verdict``), so it never needs the round's member list: at 1,024
+agents every keeper reading the whole state at each change was O(N²) bytes for the job
+(issue 27).
 """
 
 from __future__ import annotations
@@ -13,21 +14,10 @@ from __future__ import annotations
 from elastic_ext.rendezvous.protocol.head import Head
 from elastic_ext.rendezvous.protocol.liveness import Verdict
 from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, RunState
+from elastic_ext.rendezvous.protocol.watcher import watcher_verdict
 from elastic_ext.rendezvous.stores.contract import StateDocument
 
 _UNREAD = object()  # a version no store gives: nothing read yet
-
-
-def watcher_verdict(by: str, state: RunState, dead: frozenset[str], left: frozenset[str]
-                    ) -> Verdict:
-    """The verdict the watcher ``by`` publishes of ``state``: with the last closed round it
-    names (its own, or the one an open round replaced) and the dead of that round, which
-    the nodes that know their round only by its seat go by."""
-    if state.phase is Phase.CLOSED:
-        round_, lost = state.round, frozenset(n for n in dead if n in state.members)
-    else:
-        round_, lost = state.round - 1, frozenset(dead & set(state.previous))
-    return Verdict(by, state.generation, dead, left, round_, lost)
 
 
 class RunView:

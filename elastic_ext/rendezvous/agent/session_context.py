@@ -1,6 +1,7 @@
 """What every ``next_rendezvous`` call of one node shares: the handles it reaches the run
-through (``NodeContext``), what it carries from one call to the next (``Memory``), and how
-it waits out a store that went away."""
+through (``RunAccess``; ``SessionParts``, the agent's parts, only for the whole-state path),
+what it carries from one call to the next (``Memory``), and how it waits out a store that
+went away."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from elastic_ext.rendezvous.agent.lifecycle import Lifecycle
 from elastic_ext.rendezvous.agent.probes import Probes
 from elastic_ext.rendezvous.errors import StoreUnavailableError
 from elastic_ext.rendezvous.protocol.clock import Clock
-from elastic_ext.rendezvous.protocol.policy import Limits
 from elastic_ext.rendezvous.settings import Settings
 from elastic_ext.rendezvous.stores.contract import StoreBackend
 
@@ -57,15 +57,24 @@ class Memory:
 
 
 @dataclass(frozen=True)
-class NodeContext:
-    """This node and what a session reaches the run through; the same for every call."""
+class RunAccess:
+    """How a session reaches the run, the same for every call: this node's name, the job's
+    settings (its ``Limits``: ``Limits.of``), the store and time. The head path needs no
+    more (with the keeper's judgement of the closer)."""
 
     node: str
-    addr: str
     settings: Settings
-    limits: Limits
     backend: StoreBackend
     clock: Clock
+
+
+@dataclass(frozen=True)
+class SessionParts:
+    """What only the whole-state path of a session works with besides ``RunAccess``: where
+    this node is, and the agent's parts it tells and asks (the keeper, the events, the
+    workers' control directory, the probes, the lifecycle)."""
+
+    addr: str
     keeper: Keeper
     events: EventLog
     control: AgentControl

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from elastic_ext.rendezvous.protocol.head import Head
 from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, Reason, RunState, Status
+
+if TYPE_CHECKING:  # the settings are only read here, never parsed
+    from elastic_ext.rendezvous.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,13 @@ class Limits:
     last_call: float
     max_restarts: int | None
     stalled_rounds: int = 5  # free restarts in a row without a training step, then charged
+
+    @classmethod
+    def of(cls, settings: Settings) -> Limits:
+        """The bounds ``settings`` set: the one place they are derived, so that the keeper
+        and every rendezvous of a node decide on the same."""
+        return cls(settings.min_nodes, settings.max_nodes, settings.timeouts.last_call,
+                   settings.max_restarts)
 
 
 @dataclass(frozen=True)
