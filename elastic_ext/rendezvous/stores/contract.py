@@ -5,6 +5,11 @@ operator commands do with one. Nothing reaches past it.
 (``torch/distributed/elastic/rendezvous/dynamic_rendezvous.py``), so the same contract
 tests (``tests/test_backend_contract.py``) run on every store, the in-memory test double
 included. How values look in the store, and the key layout, is ``wire.py``.
+
+Raises: unless a method says otherwise, every method that talks to the store raises
+:class:`~elastic_ext.rendezvous.errors.StoreUnavailableError` when no endpoint answered
+within ``connect_timeout`` and :class:`~elastic_ext.rendezvous.errors.StoreAuthError` when
+the store refused the credentials or certificate (retrying will not help).
 """
 
 from __future__ import annotations
@@ -57,11 +62,8 @@ class StateDocument(ABC):
     a store may keep beside it to be read cheaply (its version, its head, the closed
     round's seats). torch's ``RendezvousBackend`` is this contract's first two methods.
 
-    Unless a method says otherwise, every method that talks to the store raises
-    :class:`~elastic_ext.rendezvous.errors.StoreUnavailableError` when no endpoint
-    answered within ``connect_timeout`` and
-    :class:`~elastic_ext.rendezvous.errors.StoreAuthError` when the store refused the
-    credentials or certificate (retrying will not help).
+    Raises what every store method raises (the module's docstring), unless a method
+    says otherwise.
     """
 
     @abstractmethod
@@ -174,11 +176,8 @@ class JoinBook(ABC):
     """An open round's join entries: one key per node under the round's prefix, counted
     and waited on without being read.
 
-    Unless a method says otherwise, every method that talks to the store raises
-    :class:`~elastic_ext.rendezvous.errors.StoreUnavailableError` when no endpoint
-    answered within ``connect_timeout`` and
-    :class:`~elastic_ext.rendezvous.errors.StoreAuthError` when the store refused the
-    credentials or certificate (retrying will not help).
+    Raises what every store method raises (the module's docstring), unless a method
+    says otherwise.
     """
 
     @abstractmethod
@@ -216,11 +215,8 @@ class Heartbeats(ABC):
     """Each agent's heartbeat (its session in the run) and the watching node's verdict on
     the others.
 
-    Unless a method says otherwise, every method that talks to the store raises
-    :class:`~elastic_ext.rendezvous.errors.StoreUnavailableError` when no endpoint
-    answered within ``connect_timeout`` and
-    :class:`~elastic_ext.rendezvous.errors.StoreAuthError` when the store refused the
-    credentials or certificate (retrying will not help).
+    Raises what every store method raises (the module's docstring), unless a method
+    says otherwise.
     """
 
     @property
@@ -260,11 +256,8 @@ class RoundStores(ABC):
     """The c10d stores that torch's agent uses after a round closed (rank assignment, exit
     barrier), one per round.
 
-    Unless a method says otherwise, every method that talks to the store raises
-    :class:`~elastic_ext.rendezvous.errors.StoreUnavailableError` when no endpoint
-    answered within ``connect_timeout`` and
-    :class:`~elastic_ext.rendezvous.errors.StoreAuthError` when the store refused the
-    credentials or certificate (retrying will not help).
+    Raises what every store method raises (the module's docstring), unless a method
+    says otherwise.
     """
 
     @abstractmethod
@@ -284,11 +277,8 @@ class StoreBackend(StateDocument, JoinBook, Heartbeats, RoundStores):
     collaborator that needs one of them is typed against that one. Not shared between
     threads: ``clone`` instead.
 
-    Unless a method says otherwise, every method that talks to the store raises
-    :class:`~elastic_ext.rendezvous.errors.StoreUnavailableError` when no endpoint
-    answered within ``connect_timeout`` and
-    :class:`~elastic_ext.rendezvous.errors.StoreAuthError` when the store refused the
-    credentials or certificate (retrying will not help).
+    Raises what every store method raises (the module's docstring), unless a method
+    says otherwise.
     """
 
     @property
