@@ -1,7 +1,7 @@
 """What one agent's etcd client costs in CPU: our JSON-gateway client against ``aetcd``.
 
-Issue 27 asks whether the hand-written client of etcd's HTTP/JSON gateway (``etcd_http``,
-``etcd_client``, ``etcd_lease``, ``etcd_watch``) holds an agent's streams cheaply enough (a
+Issue 27 asks whether the hand-written client of etcd's HTTP/JSON gateway (``etcd/transport.py``,
+``etcd/client.py``, ``etcd/lease.py``, ``etcd/watch.py``) holds an agent's streams cheaply enough (a
 lease kept alive, watches open), or whether a maintained gRPC client should replace it
 behind the same ``StoreBackend`` contract. This decides it by measurement: the client-side
 CPU time per operation, on a private etcd on loopback (``elastic_ext.local.etcd``, fresh
@@ -14,7 +14,7 @@ temporary data dir), of
                no held keep-alive stream in its API), called from the agent's thread; also
                aetcd's own API, ``Lease.refresh()`` (a new stream per keep-alive), and the
                held stream driven inside the event loop (no thread hop)
-  watch event  one PUT of a small key received: gateway ``WatchedKeys`` (``etcd_watch``,
+  watch event  one PUT of a small key received: gateway ``WatchedKeys`` (``etcd/watch.py``,
                one HTTP stream); aetcd ``Client.watch`` (its one gRPC Watch stream), the
                events handed to the agent's threads as ``WatchedKeys`` does. This script
                writes the key (gateway PUTs, paced ``--interval`` apart so that each
@@ -29,7 +29,7 @@ temporary data dir), of
   import       CPU seconds of ``import elastic_ext.rendezvous.stores.etcd.client`` against
                ``import aetcd`` in a fresh interpreter, and after
                ``torch.distributed.elastic.rendezvous`` (which torchrun's agent has
-               imported, and which ``etcd_client`` imports through ``errors``): every
+               imported, and which ``etcd/client.py`` imports through ``errors``): every
                agent pays it once
 
 aetcd is asyncio-only; it is used as a synchronous agent (torchrun's) would use it: one

@@ -20,6 +20,7 @@ MOVED = {
     "elastic_ext.snapshot": "elastic_ext.worker.snapshot",
     "elastic_ext.preemption": "elastic_ext.worker.preemption",
     "elastic_ext.loop": "elastic_ext.worker.loop",
+    "elastic_ext.loop.events": "elastic_ext.worker.loop.metrics_file",
     "elastic_ext.distributed": "elastic_ext.worker.distributed",
     "elastic_ext.hold": "elastic_ext.worker.hold",
     "elastic_ext.plugin": "elastic_ext.agent.plugin",
@@ -29,8 +30,9 @@ MOVED = {
 
 
 def new_name(old: str) -> str | None:
-    """Where ``old`` (a moved module or one inside a moved package) lives now."""
-    for before, after in MOVED.items():
+    """Where ``old`` (a moved module or one inside a moved package) lives now; the longest
+    old path that names it wins (``elastic_ext.loop.events`` was renamed as it moved)."""
+    for before, after in sorted(MOVED.items(), key=lambda item: -len(item[0])):
         if old == before or old.startswith(before + "."):
             return after + old[len(before):]
     return None

@@ -39,7 +39,7 @@ def test_an_old_keyword_still_works_with_a_warning_naming_the_new_one(
 
 def test_an_old_keyword_given_as_none_still_warns() -> None:
     with pytest.warns(DeprecationWarning, match="use events_file="):
-        assert LoopSettings(metrics=None).events_file is None
+        assert LoopSettings(metrics=None).events_file is None  # type: ignore[call-arg]
 
 
 def test_the_new_names_do_not_warn_and_replace_keeps_them() -> None:
@@ -52,9 +52,23 @@ def test_the_new_names_do_not_warn_and_replace_keeps_them() -> None:
             again.snapshot_every) == (Path("e"), "gloo", 2, 4)
 
 
+def test_a_field_under_both_names_is_refused_even_when_the_new_one_is_its_default() -> None:
+    with pytest.raises(TypeError, match="both keep= and keep_snapshots=: give keep_snapshots"):
+        LoopSettings(keep=5, keep_snapshots=3)  # type: ignore[call-arg]
+
+
+def test_an_old_name_read_gives_the_new_fields_value_with_a_warning() -> None:
+    settings = LoopSettings(events_file=Path("events.jsonl"), collective_backend="gloo",
+                            keep_snapshots=5)
+    for old, value in (("metrics", Path("events.jsonl")), ("backend", "gloo"), ("keep", 5)):
+        with pytest.warns(DeprecationWarning, match=f"LoopSettings.{old} is deprecated: read"):
+            assert getattr(settings, old) == value
+    assert dataclasses.replace(settings, keep_snapshots=2).keep_snapshots == 2
+
+
 def test_a_field_under_both_names_is_refused_naming_both() -> None:
     with pytest.raises(TypeError, match="both metrics= and events_file=: give events_file"):
-        LoopSettings(events_file=Path("a"), metrics=Path("b"))
+        LoopSettings(events_file=Path("a"), metrics=Path("b"))  # type: ignore[call-arg]
 
 
 @pytest.mark.parametrize("name", TIMEOUTS)

@@ -45,3 +45,5 @@ def test_only_the_moved_paths_are_redirected() -> None:
     assert new_name("elastic_ext.snapshots") is None
     assert new_name("elastic_ext.worker.snapshot") is None
     assert new_name("elastic_ext.loop") == "elastic_ext.worker.loop"
+    assert new_name("elastic_ext.loop.events") == "elastic_ext.worker.loop.metrics_file"
+    assert new_name("elastic_ext.loop.data") == "elastic_ext.worker.loop.data"

@@ -75,6 +75,14 @@ def test_the_dead_of_the_round_make_it_leave_and_the_workers_are_told_once() -> 
     assert rounds.weigh(head(), frozenset({"other"}), frozenset({"other"}), Reports()) == []
 
 
+def test_workers_that_could_not_be_told_of_the_lost_are_told_at_the_next_tick() -> None:
+    rounds = watching()
+    told = TellLost(1, "dead or hung: other")
+    assert rounds.weigh(head(), frozenset({"other"}), frozenset({"other"}), Reports())[0] == told
+    rounds.lost_not_told()  # the keeper's write of the control file failed
+    assert rounds.weigh(head(), frozenset({"other"}), frozenset({"other"}), Reports()) == [told]
+
+
 def test_the_workers_hear_of_the_lost_even_when_another_reason_came_first() -> None:
     rounds = watching()
     first = rounds.worker_report(Reports(fault="nccl timeout"))

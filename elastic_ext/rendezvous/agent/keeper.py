@@ -9,7 +9,7 @@ failed. It never blocks the agent: the agent reads the keeper's last verdict.
 One keeper judges everyone (the watcher: ``joins.closer_of``) and publishes its
 ``liveness.Verdict``; the others read it when the watcher's heartbeat moves, and judge
 only the watcher (with ``heartbeat_mode=lease`` on etcd, a heartbeat is a lease keep-alive and
-the keys arrive by a watch: ``etcd_backend``). On any store the keeper holds a connection
+the keys arrive by a watch: ``stores/etcd/backend.py``). On any store the keeper holds a connection
 to each watched node's presence port and reads a killed agent's end from it (``presence``).
 
 It also carries this node's preemption notice to the run's state and settles it with
@@ -181,7 +181,7 @@ class Keeper:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5 * self._interval + 5)
-            if self._thread.is_alive():  # leaving revokes its heartbeat (etcd_backend.leave)
+            if self._thread.is_alive():  # leaving revokes its heartbeat (etcd's backend.leave)
                 logger.warning("etcd-ext: keeper still in a store call; leaving without it")
         self._notices.close()
         if self._thread is None or not self._thread.is_alive():
@@ -292,7 +292,11 @@ class Keeper:
         ``_lock``)."""
         for action in actions:
             if isinstance(action, TellLost):
-                self._control.publish_peer_lost(action.round, action.why)
+                try:
+                    self._control.publish_peer_lost(action.round, action.why)
+                except Exception:
+                    self._rounds.lost_not_told()  # the next tick tries again
+                    raise
                 continue
             pressure = action.pressure
             logger.info("etcd-ext: leaving round %d: %s", action.round, pressure.why)

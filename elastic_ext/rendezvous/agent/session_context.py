@@ -1,5 +1,6 @@
 """What every ``next_rendezvous`` call of one node shares: the handles it reaches the run
-through (``RunAccess``; ``SessionParts``, the agent's parts, only for the whole-state path),
+through (``RunAccess``; ``SessionParts``, the agent's parts, for the session, which hands the head
+path only the keeper's judgement of a closer),
 what it carries from one call to the next (``Memory``), and how it waits out a store that
 went away."""
 
@@ -70,8 +71,8 @@ class RunAccess:
 
 @dataclass(frozen=True)
 class SessionParts:
-    """What only the whole-state path of a session works with besides ``RunAccess``: where
-    this node is, and the agent's parts it tells and asks (the keeper, the events, the
+    """What a session works with besides ``RunAccess``: where this node is, and the
+    agent's parts it tells and asks (the keeper, the events, the
     workers' control directory, the probes, the lifecycle)."""
 
     addr: str

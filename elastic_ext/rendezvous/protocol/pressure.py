@@ -88,7 +88,7 @@ class RoundPressure:
     def blind(self, reports: WorkerReports) -> None:
         """The store is unreachable. Workers stuck on a dead peer cannot wait for it to
         come back: the agent takes them into the rendezvous, which waits or fails clearly.
-        (No ``Leave``: nothing is told, as before the split.)"""
+        (No ``Leave``: the workers are told nothing.)"""
         if self.round is not None and not self.pressure.count \
                 and reports.fault_reported(self.round[1]) is not None:
             self.pressure = Pressure(1, "a worker reported a peer fault while the store is "
@@ -146,6 +146,11 @@ class RoundPressure:
             head, self._me, dead, lost, self._limits, self.round,
             reports.fault_reported(self.round[1]) is not None)
         return actions + (self._leave(Pressure(count, why, reason)) if count else [])
+
+    def lost_not_told(self) -> None:
+        """The workers could not be told of the lost (the control file's write failed):
+        ``weigh`` tells them again at the next tick."""
+        self._lost_told = None
 
     def worker_report(self, reports: WorkerReports) -> list[Action]:
         """A worker's fault report, acted on at once: the agent polls ``num_nodes_waiting``

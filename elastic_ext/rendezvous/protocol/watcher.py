@@ -79,7 +79,7 @@ class Judgement:
 
 
 class Watcher:
-    """One keeper's judgement from tick to tick; its keeper's lock guards it."""
+    """One keeper's judgement from tick to tick; only the keeper's tick thread uses it."""
 
     def __init__(self, me: str, liveness: Liveness) -> None:
         self._me = me

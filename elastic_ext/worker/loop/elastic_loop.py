@@ -30,7 +30,7 @@ trainer call.
 
 from __future__ import annotations
 
-import enum
+import functools
 import logging
 import os
 import signal
@@ -41,7 +41,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager
-from dataclasses import KW_ONLY, InitVar, dataclass, fields
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from types import TracebackType
@@ -76,12 +76,6 @@ logger = logging.getLogger(__name__)
 
 EventHook = Callable[[str, int, Mapping[str, Any]], None]
 """Called with every event the loop logs (``event``, ``step``, its fields), on every rank."""
-
-
-class _Unset(enum.Enum):
-    """The default of a deprecated keyword: tells "not given" from any value, None included."""
-
-    TOKEN = "not given"
 
 
 _RENAMED = {"metrics": "events_file", "backend": "collective_backend", "keep": "keep_snapshots"}
@@ -129,27 +123,8 @@ class LoopSettings:
     events_file: Path | None = None
     """The JSON-lines events file (``elastic_ext.worker.loop.metrics_file``), appended by
     global rank 0; None: none."""
-    _: KW_ONLY
-    metrics: InitVar[Path | None | _Unset] = _Unset.TOKEN
-    """Deprecated: ``events_file``."""
-    backend: InitVar[BackendChoice | _Unset] = _Unset.TOKEN
-    """Deprecated: ``collective_backend``."""
-    keep: InitVar[int | _Unset] = _Unset.TOKEN
-    """Deprecated: ``keep_snapshots``."""
-
-    def __post_init__(self, metrics: Path | None | _Unset, backend: BackendChoice | _Unset,
-                      keep: int | _Unset) -> None:
-        """Take the old keyword names (with a warning) and check the timeouts."""
-        for old, value in (("metrics", metrics), ("backend", backend), ("keep", keep)):
-            if value is _Unset.TOKEN:
-                continue
-            new = _RENAMED[old]
-            if getattr(self, new) != _DEFAULTS[new]:
-                raise TypeError(f"LoopSettings got both {old}= and {new}=: give {new} only "
-                                f"({old} is its old name)")
-            warnings.warn(f"LoopSettings({old}=...) is deprecated: use {new}=",
-                          DeprecationWarning, stacklevel=3)
-            object.__setattr__(self, new, value)
+    def __post_init__(self) -> None:
+        """Check the timeouts against each other."""
         self._check_timeouts()
 
     def _check_timeouts(self) -> None:
@@ -169,8 +144,36 @@ class LoopSettings:
                 f"preempt_grace_s to at least {self.stop_grace_s:g} or lower stop_grace_s")
 
 
-_DEFAULTS = {f.name: f.default for f in fields(LoopSettings)}
-"""Each field's default, to tell a new name given alongside its old one."""
+def _taking_old_names(init: Callable[..., None]) -> Callable[..., None]:
+    """LoopSettings' constructor, taking the old keyword names too, each with a warning that
+    names the new one (a field given under both names is refused)."""
+    @functools.wraps(init)
+    def construct(self: LoopSettings, *args: Any, **kwargs: Any) -> None:
+        for old, new in _RENAMED.items():
+            if old not in kwargs:
+                continue
+            if new in kwargs:
+                raise TypeError(f"LoopSettings got both {old}= and {new}=: give {new} only "
+                                f"({old} is its old name)")
+            warnings.warn(f"LoopSettings({old}=...) is deprecated: use {new}=",
+                          DeprecationWarning, stacklevel=2)
+            kwargs[new] = kwargs.pop(old)
+        init(self, *args, **kwargs)
+    return construct
+
+
+def _old_name(old: str, new: str) -> property:
+    """Reading a field by its old name: the field's value, with a warning."""
+    def read(self: LoopSettings) -> Any:
+        warnings.warn(f"LoopSettings.{old} is deprecated: read {new}", DeprecationWarning,
+                      stacklevel=2)
+        return getattr(self, new)
+    return property(read, doc=f"Deprecated: ``{new}``.")
+
+
+setattr(LoopSettings, "__init__", _taking_old_names(LoopSettings.__init__))  # noqa: B010
+for _old, _new in _RENAMED.items():
+    setattr(LoopSettings, _old, _old_name(_old, _new))
 
 
 def _under_launcher() -> bool:

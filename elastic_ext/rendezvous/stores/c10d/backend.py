@@ -7,7 +7,7 @@ fails at once, and they exit. A store that survives a node is etcd's job (a 3-me
 cluster); the embedded store takes exactly one endpoint (``settings.py``).
 
 A node waiting on the state costs the store no request: a connection of its own blocks in
-``TCPStore.wait`` on the key the next state write creates (``c10d_feed.WriteFeed``), and the
+``TCPStore.wait`` on the key the next state write creates (``c10d.feed.WriteFeed``), and the
 closer of an open round waits on the key the next join creates the same way. Where torch's
 TCPStore can list its keys (``list_keys``, torch >= 2.10) a closed round's join keys and
 round store are deleted and ``elastic-ext list`` works; before, they lived as long as the
@@ -174,7 +174,7 @@ class C10dBackend(StoreBackend):
 
     def wait_for_state(self, token: Token | None, timeout: float, clock: Clock
                        ) -> bool | tuple[bytes, Token]:
-        """Waits on the count of state writes (``c10d_feed.WriteFeed``), not the state."""
+        """Waits on the count of state writes (``c10d.feed.WriteFeed``), not the state."""
         if token is None or self._seq_at[0] != token:
             return super().wait_for_state(token, timeout, clock)  # reads the state itself
         seq = self._seq_at[1]
@@ -226,7 +226,7 @@ class C10dBackend(StoreBackend):
     def wait_for_joins(self, generation: str, round_: int, at_least: int, timeout: float,
                        clock: Clock) -> bool:
         """Blocks in ``TCPStore.wait`` on the key the next join creates, on a connection of
-        its own for the round (``c10d_feed.WriteFeed``): no request while nobody joins."""
+        its own for the round (``c10d.feed.WriteFeed``): no request while nobody joins."""
         prefix = f"join/{generation}/{round_}/"
         if self._joins_feed is None or self._joins_feed[0] != prefix:
             if self._joins_feed is not None:

@@ -4,7 +4,7 @@ and reads of its keys and counters that never wait and never create a key.
 Each state write adds one to ``STATE_SEQ`` and creates ``changed/<count>``; a waiter reads
 the count, then blocks in ``TCPStore.wait`` on the key of the next write. A TCPStore
 cannot watch a key, and waiting on one costs the store nothing until it appears. The
-joins of an open round are counted the same way, for its closer (``c10d_backend``).
+joins of an open round are counted the same way, for its closer (``c10d/backend.py``).
 """
 
 from __future__ import annotations

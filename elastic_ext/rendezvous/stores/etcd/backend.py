@@ -3,9 +3,9 @@
 Layout under ``<key_prefix>/<run_id>/``: ``state`` (written by compare-and-swap on
 ``mod_revision``), ``head`` (what most agents read of it, in the same transaction:
 ``head.py``), ``seat/<generation>/<round>/<node>`` (written before a round closes),
-``hb/<node>`` (heartbeats, on the agent's lease: ``etcd_lease``), ``join/<generation>/
+``hb/<node>`` (heartbeats, on the agent's lease: ``etcd/lease.py``), ``join/<generation>/
 <round>/<node>``, ``verdict`` and ``store/<generation>/<round>/`` (torch's round store).
-Waits are watches (``etcd_watch``): of the head (a few hundred bytes where the state is
+Waits are watches (``etcd/watch.py``): of the head (a few hundred bytes where the state is
 29 KB at 1,024 nodes) and of the verdict. A keeper's tick is one transaction, none when
 woken early, or with ``heartbeat_mode=lease`` none at all: the lease renews itself.
 """

@@ -2,7 +2,7 @@
 
 Why the gateway: etcd 3.4+ serves it by default, and speaking it needs no
 grpcio/protobuf, whose pins break ML stacks (and broke the old ``etcd3`` package).
-Unary calls go through ``etcd_http`` (``http.client``, kept alive per thread); the
+Unary calls go through ``etcd/transport.py`` (``http.client``, kept alive per thread); the
 version probe and watch streams through ``requests``. Added here: rotation over several endpoints,
 user/password auth with re-login when the token expires, TLS from our own settings
 (never a machine-wide CA bundle), and the transactions the rendezvous needs.
@@ -233,7 +233,7 @@ class EtcdClient:
                          lease: int | None = None, also: Sequence[dict[str, Any]] = ()
                          ) -> tuple[bool, KeyValue | None]:
         """Write ``value`` iff the key is at ``mod_revision`` (None: iff it does not exist),
-        and with it the operations ``also`` (``etcd_wire.op_put``, ``op_delete``).
+        and with it the operations ``also`` (``etcd.wire.op_put``, ``op_delete``).
 
         One transaction; returns (succeeded, the key as it is now).
         """

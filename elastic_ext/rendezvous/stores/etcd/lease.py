@@ -1,6 +1,6 @@
 """The agent's etcd lease: its heartbeat key hangs on it, so a dead agent's key goes.
 
-One per agent, shared by its backend and the backend's clones (``etcd_backend``). A thread
+One per agent, shared by its backend and the backend's clones (``stores/etcd/backend.py``). A thread
 of its own renews it every third of its TTL, never late behind a keeper tick's reads and
 writes. With ``heartbeat_mode=lease`` the lease *is* the heartbeat (issue 27): its TTL is chosen
 so that a frozen agent's key is gone within ``heartbeat_timeout``, and the others watch the

@@ -5,7 +5,7 @@ keeper makes two requests a second, and ``requests`` spends about 0.5 ms of CPU 
 where ``http.client`` spends about 0.1 ms (measured here, benchmarks/scale.py): with
 1,024 agents that is the difference between a store that keeps up and one that does
 not. ``requests`` stays for the rare calls that gain from it (the version probe, watch
-streams: ``etcd_client.py``).
+streams: ``etcd/client.py``).
 
 Each thread has its own connection per endpoint (``http.client`` connections are not
 thread-safe); a connection that failed is dropped, and the next call opens another.

@@ -3,7 +3,7 @@
 One stream per watch, through the gateway (``EtcdClient.watch``); each agent holds the
 run's head (which moves with its state) and the watcher's verdict, the heartbeat keys its
 keeper watches with ``heartbeat_mode=lease``, and the closer of an open round one of the round's
-join keys (``etcd_backend``).
+join keys (``stores/etcd/backend.py``).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ class KeyValue:
 
 
 def op_put(key: str, value: bytes, lease: int | None = None) -> dict[str, Any]:
-    """A put inside a transaction (``etcd_client.EtcdClient.txn``)."""
+    """A put inside a transaction (``etcd.client.EtcdClient.txn``)."""
     put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
     if lease:
         put["lease"] = str(lease)
