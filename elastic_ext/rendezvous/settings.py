@@ -259,29 +259,36 @@ def _read_password(conf: Mapping[str, Any], user: str | None) -> str | None:
     return os.environ[env_name]
 
 
-def _renamed_key(conf: Mapping[str, Any], old: str, new: str) -> str:
-    """The name ``conf`` gives a renamed setting under (so errors quote the user's key);
-    the old name still works but says once what to write instead."""
-    if old not in conf:
-        return new
-    if new in conf:
-        raise ConfigError(f"--rdzv-conf {old} and {new} are both given; {old} is the old name "
-                          f"of {new}: give only {new}")
-    logger.warning("--rdzv-conf %s=%s is deprecated: write %s=%s (the same setting)",
-                   old, conf[old], new, conf[old])
-    return old
+def _same_value(a: Any, b: Any) -> bool:
+    """Two values of one key, compared as numbers where both are ("1" and "1.0" agree)."""
+    try:
+        return float(a) == float(b)
+    except (TypeError, ValueError):
+        return str(a) == str(b)
 
 
-def _aliased_number(conf: Mapping[str, Any], key: str, alias: str, default: float, *,
-                    minimum: float) -> float:
-    """``key``, or torch's ``alias`` for it; given both, they must agree."""
-    if alias not in conf:
-        return _number(key, conf.get(key, default), minimum=minimum)
-    value = _number(alias, conf[alias], minimum=minimum)
-    if key in conf and _number(key, conf[key], minimum=minimum) != value:
-        raise ConfigError(f"--rdzv-conf {key}={conf[key]} and {alias}={conf[alias]} disagree; "
-                          f"{alias} is torch's name for {key}: give one of them")
-    return value
+def _our_names(conf: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """``conf`` under etcd-ext's own key names, and for each key the name the user wrote
+    it under (errors quote it): an old name (``RENAMED``) works and says once what to
+    write instead; torch's name for a key (``ALIASES``) works as it is."""
+    ours, written = dict(conf), {key: key for key in conf}
+    for old, new in RENAMED.items():
+        if old not in conf:
+            continue
+        if new in conf:
+            raise ConfigError(f"--rdzv-conf {old} and {new} are both given; {old} is the old "
+                              f"name of {new}: give only {new}")
+        logger.warning("--rdzv-conf %s=%s is deprecated: write %s=%s (the same setting)",
+                       old, conf[old], new, conf[old])
+        ours[new], written[new] = ours.pop(old), old
+    for alias, key in ALIASES.items():
+        if alias not in conf:
+            continue
+        if key in conf and not _same_value(conf[key], conf[alias]):
+            raise ConfigError(f"--rdzv-conf {key}={conf[key]} and {alias}={conf[alias]} "
+                              f"disagree; {alias} is torch's name for {key}: give one of them")
+        ours[key], written[key] = ours.pop(alias), alias
+    return ours, written
 
 
 def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int,
@@ -297,7 +304,8 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
         if key not in CONF_KEYS and key not in ALIASES and key not in RENAMED:
             raise ConfigError(f"unknown --rdzv-conf key {key!r}; etcd-ext accepts: "
                               + ", ".join(sorted({*CONF_KEYS, *ALIASES})))
-    mode_key = _renamed_key(conf, "heartbeat", "heartbeat_mode")
+    conf, written = _our_names(conf)
+    mode_key = written.get("heartbeat_mode", "heartbeat_mode")
     if min_nodes < 1 or max_nodes < min_nodes:
         raise ConfigError(f"--nnodes={min_nodes}:{max_nodes} is not a range: use MIN:MAX with "
                           "1 <= MIN <= MAX, e.g. --nnodes=2:4")
@@ -341,8 +349,9 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
         join=_number("join_timeout", join, minimum=1),
         last_call=_number("last_call_timeout", conf.get("last_call_timeout", 1.0), minimum=0),
         close=_number("close_timeout", conf.get("close_timeout", 10), minimum=0.1),
-        heartbeat_interval=_aliased_number(conf, "heartbeat_interval", "keep_alive_interval",
-                                           DEFAULT_INTERVAL_S[store], minimum=0.05),
+        heartbeat_interval=_number(written.get("heartbeat_interval", "heartbeat_interval"),
+                                   conf.get("heartbeat_interval", DEFAULT_INTERVAL_S[store]),
+                                   minimum=0.05),
         heartbeat=_number("heartbeat_timeout", conf.get("heartbeat_timeout", 3.0), minimum=0.2),
         request=_number("request_timeout", conf.get("request_timeout", 2.0), minimum=0.05),
         connect=_number("connect_timeout", conf.get("connect_timeout", 15), minimum=0.1),
@@ -353,7 +362,7 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
     if timeouts.heartbeat > timeouts.join:
         raise ConfigError("--rdzv-conf heartbeat_timeout must not exceed join_timeout")
 
-    heartbeat_mode = str(conf.get(mode_key, "write")).lower()
+    heartbeat_mode = str(conf.get("heartbeat_mode", "write")).lower()
     if heartbeat_mode not in {"write", "lease"}:
         raise ConfigError(f"--rdzv-conf {mode_key}={heartbeat_mode!r} must be write or lease")
     if heartbeat_mode == "lease" and store != "etcd":
