@@ -15,7 +15,10 @@ the directory; it need not be shared. A worker that leaves without a durable
 snapshot keeps its last completed step in node memory (``local``), and restore
 takes the newest step any rank holds, checks that its holders agree (``agreement``)
 and has the lowest holder send it to every rank (``handoff``). Sharded state (FSDP,
-tensor parallel) is out of scope: every rank would have to keep its part.
+tensor parallel) is out of scope: every rank would have to keep its part. The
+first building blocks of handing it off, not used yet, are ``redundancy`` (who keeps a
+copy of whose shard, who sends which chunk) and ``memory_storage`` (DCP storage in
+memory).
 
 This package exports what a training loop and an operator need. The parts, one
 job each, are importable on their own: ``layout`` (file names, the manifest),
