@@ -45,7 +45,7 @@ from torch.futures import Future
 from elastic_ext.worker.snapshot.errors import SnapshotError
 from elastic_ext.worker.snapshot.redundancy import ChunkKey
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 class ChunkDamagedError(SnapshotError):
@@ -113,7 +113,7 @@ class MemoryWriter(StorageWriter):
                                        storage_data=chunk_key(item.index)))
         # DCP's metadata lists what the final plan wrote; the extra replicas are ours only.
         final = {chunk_key(i.index) for i in plan.items}
-        log.debug("kept %d chunks (%d bytes) in memory", len(self.chunks),
+        logger.debug("kept %d chunks (%d bytes) in memory", len(self.chunks),
                   sum(len(b) for b in self.chunks.values()))
         return _done([r for r in results if chunk_key(r.index) in final])
 

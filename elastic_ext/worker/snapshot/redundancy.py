@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from elastic_ext.worker.snapshot.errors import SnapshotError
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 ChunkKey = tuple[str, tuple[int, ...]]
 """A chunk of saved state: (fully qualified name, offsets in the global tensor)."""
@@ -176,6 +176,6 @@ def schedule(requests: Mapping[int, Iterable[ChunkKey]],
             load[sender] += 1
             mine[k] = sender
     sent = sum(load.values())
-    log.debug("chunk schedule: %d chunks sent between ranks, at most %d by one rank",
+    logger.debug("chunk schedule: %d chunks sent between ranks, at most %d by one rank",
               sent, max(load.values(), default=0))
     return plan
