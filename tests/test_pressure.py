@@ -16,19 +16,9 @@ from elastic_ext.rendezvous.protocol.pressure import (
     TellLost,
 )
 from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, Reason, RunState
+from tests.support.handler_lab import FakeClock
 
 ROUND = ("g", 1)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class Reports:
@@ -60,8 +50,8 @@ def head(closer: str = "me", **changes: object) -> Head:
     return replace(Head.of(state), **changes)  # type: ignore[arg-type]
 
 
-def watching(clock: Clock | None = None) -> RoundPressure:
-    rounds = RoundPressure("me", Limits(2, 4, 1.0, None), clock or Clock())
+def watching(clock: FakeClock | None = None) -> RoundPressure:
+    rounds = RoundPressure("me", Limits(2, 4, 1.0, None), clock or FakeClock())
     rounds.watch(ROUND)
     return rounds
 
@@ -117,7 +107,7 @@ def test_a_setup_fault_leaves_for_free_and_a_peer_fault_as_a_failure() -> None:
     fault = watching().worker_report(Reports(fault="x"))
     assert fault == [Leave(1, Pressure(1, "a worker reported a peer fault", Reason.FAILURE))]
     assert watching().worker_report(Reports()) == []
-    idle = RoundPressure("me", Limits(2, 4, 1.0, None), Clock())
+    idle = RoundPressure("me", Limits(2, 4, 1.0, None), FakeClock())
     assert idle.worker_report(Reports(fault="x")) == []  # no round: nothing to leave
 
 
@@ -158,7 +148,7 @@ def test_only_rank_0_of_the_closed_round_records_its_progress_once() -> None:
 
 
 def test_workers_that_never_report_count_as_progressing_after_a_while() -> None:
-    clock = Clock()
+    clock = FakeClock()
     rounds = watching(clock)
     clock.now += PROGRESS_WITHOUT_REPORTS_S - 1
     assert not rounds.progress(head(), Reports())
