@@ -103,8 +103,8 @@ def test_an_update_split_over_two_calls_counts_like_one_and_a_fault_inside_keeps
     assert [(e["step"], e["kept"]) for e in fault] == [(2, None)], fault
 
 
-LOOP_SURFACE = ["batches", "device", "device_ids", "finish", "framework", "rank", "restore",
-                "step", "step_done", "update", "world_size"]
+LOOP_SURFACE = ["batches", "device", "device_ids", "finish", "framework", "mesh", "rank",
+                "restore", "step", "step_done", "update", "world_size"]
 """What a training loop calls, and nothing else: a name added here is an API promise."""
 
 FRAMEWORK_SURFACE = ["abandon_update", "batch_sampler", "batch_started", "begin_update",

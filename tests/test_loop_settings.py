@@ -19,7 +19,17 @@ def test_the_fields_say_what_they_are() -> None:
     names = [f.name for f in dataclasses.fields(LoopSettings)]
     assert names == ["snapshot_dir", "snapshot_every", "keep_snapshots", "total_steps",
                      "device", "collective_backend", "collective_timeout_s", "stop_grace_s",
-                     "preempt_grace_s", "hold_timeout_s", "events_file"]
+                     "preempt_grace_s", "hold_timeout_s", "events_file", "shard_copy_every"]
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("snapshot_every", -1), ("shard_copy_every", -1), ("keep_snapshots", 0),
+    ("shard_copy_every", 1.5), ("snapshot_every", True)])
+def test_a_count_that_cannot_be_honoured_is_refused_naming_the_field(
+        field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"LoopSettings.{field}={value!r} must be a whole "
+                                         "number, at least"):
+        LoopSettings(**{field: value})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("old", "new", "value"), [

@@ -63,14 +63,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="collectives: auto is NCCL on a GPU, gloo on the CPU; gloo on a GPU "
                         "lets several ranks share one (default auto)")
+    p.add_argument("--shard", choices=("none", "fsdp", "hsdp"), default="none",
+                   help="none: DDP, every rank holds the whole state (default); fsdp: FSDP2 "
+                        "over every rank, each rank's shards copied to the next node; hsdp: "
+                        "FSDP2 within a node, replicated across nodes")
+    p.add_argument("--shard-copy-every", type=int, default=1, metavar="K",
+                   help="with --shard fsdp, copy each rank's shards to the next node every K "
+                        "steps (up to K-1 steps trained again after a node's loss; 0: no "
+                        "copies, a node's loss falls back to the snapshot; default 1)")
     p.add_argument("--log-level", default=os.environ.get("TRAINER_LOG_LEVEL", "INFO"))
     return p
 
 
 def parse_settings(argv: Sequence[str] | None = None) -> tuple[TrainSettings, str]:
     args = build_parser().parse_args(argv)
-    if args.steps < 0 or args.snapshot_every < 0 or args.keep < 1:
-        raise SystemExit("--steps and --snapshot-every must be >= 0, --keep >= 1")
+    if args.steps < 0 or args.snapshot_every < 0 or args.keep < 1 or args.shard_copy_every < 0:
+        raise SystemExit("--steps, --snapshot-every and --shard-copy-every must be >= 0, "
+                         "--keep >= 1")
     if args.backend == "nccl" and args.device == "cpu":
         raise SystemExit("--backend nccl needs a GPU: use --device cuda (or auto), or "
                          "--backend gloo")
@@ -83,7 +92,8 @@ def parse_settings(argv: Sequence[str] | None = None) -> tuple[TrainSettings, st
         lr=args.lr, warmup_steps=args.warmup_steps, collective_timeout=args.collective_timeout,
         stop_grace=args.stop_grace, preempt_grace=args.preempt_grace,
         hold_timeout=args.hold_timeout, record_samples=args.record_samples,
-        progress_every=args.progress_every, device=args.device, backend=args.backend)
+        progress_every=args.progress_every, device=args.device, backend=args.backend,
+        shard=args.shard, shard_copy_every=args.shard_copy_every)
     return settings, args.log_level
 
 

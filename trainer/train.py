@@ -3,6 +3,7 @@ which carries everything that makes it elastic (restore and hand-off, snapshots,
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -18,6 +19,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic_ext.worker.distributed import BackendChoice, DeviceChoice
@@ -51,6 +55,8 @@ class TrainSettings:
     progress_every: float = 10.0
     device: DeviceChoice = "auto"
     backend: BackendChoice = "auto"
+    shard: str = "none"
+    shard_copy_every: int = 1
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,28 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     return result
 
 
+def shard_model(model: nn.Module, mesh: DeviceMesh) -> None:
+    """FSDP2 over ``mesh``: each linear layer its own unit, then the root (the PyTorch FSDP2
+    tutorial's layout). Gradients are averaged over the ranks as DDP's are, so the loss
+    scaling and the learning rate are those of the DDP run."""
+    for layer in model.modules():
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def sharded_params_sha256(model: nn.Module) -> str:
+    """``params_sha256`` of a sharded model: the same digest as the unsharded module of the
+    same weights (gathered on every rank; collective)."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    digest = hashlib.sha256()
+    for name in sorted(full):
+        value = full[name]
+        assert isinstance(value, torch.Tensor)
+        digest.update(value.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def settle_buckets(ddp: DistributedDataParallel, empty_batch: torch.Tensor) -> None:
     """One synchronised backward on an empty batch, so that DDP rebuilds its gradient buckets
     before the first real step instead of after it.
@@ -149,7 +177,8 @@ class Trainer:
                 total_steps=s.steps, device=s.device, collective_backend=s.backend,
                 collective_timeout_s=s.collective_timeout, stop_grace_s=s.stop_grace,
                 preempt_grace_s=s.preempt_grace, hold_timeout_s=s.hold_timeout,
-                events_file=s.metrics), on_event=self._on_event, main_at=main_at)
+                events_file=s.metrics, shard_copy_every=s.shard_copy_every),
+                on_event=self._on_event, main_at=main_at)
         except ValueError as exc:
             raise SystemExit(f"trainer: {exc}") from None
         self.device = self.loop.device
@@ -160,6 +189,11 @@ class Trainer:
         size = MODEL_SIZES[s.model_size]
         self.task = SyntheticTask.make(size, s.seed, s.dataset_size)
         self.model = build_model(size, s.seed).to(self.device)
+        if s.shard != "none":  # shard before the optimizer exists: it holds the DTensors
+            try:
+                shard_model(self.model, self.loop.mesh(hsdp=s.shard == "hsdp"))
+            except ValueError as exc:
+                raise SystemExit(f"trainer: --shard {s.shard}: {exc}") from None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=s.lr, weight_decay=0.01)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, partial(lr_factor, total=s.steps, warmup=s.warmup_steps))
@@ -194,12 +228,14 @@ class Trainer:
         logger.info("rank %d/%d pid %d starting at step %d (%s)", self.rank, self.world_size,
                     os.getpid(), self.step, "resumed" if resumed_from is not None else "fresh")
         self.progress.start(self.step, loop.framework.resumed_from, loop.framework.restored_age_s)
-        ddp = DistributedDataParallel(self.model, device_ids=loop.device_ids)
-        try:
-            settle_buckets(ddp, self.task.inputs[:0].to(self.device))
-        except Exception as exc:
-            self.progress.close()
-            loop.framework.fail(exc)  # re-raises what is not a peer's fault
+        ddp: nn.Module = self.model
+        if s.shard == "none":
+            ddp = DistributedDataParallel(self.model, device_ids=loop.device_ids)
+            try:
+                settle_buckets(ddp, self.task.inputs[:0].to(self.device))
+            except Exception as exc:
+                self.progress.close()
+                loop.framework.fail(exc)  # re-raises what is not a peer's fault
         for mine in loop.batches(s.dataset_size, s.global_batch_size, seed=s.seed):
             try:
                 loss_sum = train_step(ddp, self.optimizer, self.scheduler, self.task, mine,
@@ -217,7 +253,8 @@ class Trainer:
                 loop.framework.fail(exc)  # re-raises what is not a peer's fault
             loss = loop.step_done(loss_sum.reshape(1), total=s.global_batch_size)
             self.progress.step(self.step, loss or 0.0)
-        digest = params_sha256(self.model)
+        digest = (params_sha256(self.model) if s.shard == "none"
+                  else sharded_params_sha256(self.model))
         loop.finish(params_sha256=digest)
         logger.info("done at step %d, params sha256 %s", self.step, digest)
         return 0

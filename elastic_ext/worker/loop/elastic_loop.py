@@ -49,6 +49,7 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from elastic_ext.warm.worker import launched_at
 from elastic_ext.worker import control
@@ -61,6 +62,7 @@ from elastic_ext.worker.distributed import (
 from elastic_ext.worker.loop.data import DataPosition, next_batch, shard
 from elastic_ext.worker.loop.metrics_file import MetricsLog
 from elastic_ext.worker.loop.sampler import StepSampler
+from elastic_ext.worker.loop.sharding import as_restored, round_mesh, sharded_state_for
 from elastic_ext.worker.preemption import GuardSettings, PreemptionGuard, exit_now
 from elastic_ext.worker.snapshot import (
     HeldStep,
@@ -71,6 +73,7 @@ from elastic_ext.worker.snapshot import (
     Stateful,
 )
 from elastic_ext.worker.snapshot.hook import SnapshotInfo
+from elastic_ext.worker.snapshot.sharded import ShardedState
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +126,24 @@ class LoopSettings:
     events_file: Path | None = None
     """The JSON-lines events file (``elastic_ext.worker.loop.metrics_file``), appended by
     global rank 0; None: none."""
+    shard_copy_every: int = 1
+    """A sharded model (FSDP2 without replicas across nodes): every K steps each rank's
+    shards are copied to host memory on the next node, before the step counts as done. 1:
+    a node's loss costs no step; K: up to K-1 steps are trained again; 0: no copies (a
+    node's loss falls back to the durable snapshot). HSDP needs none: its replica on
+    another node holds the same shards."""
     def __post_init__(self) -> None:
-        """Check the timeouts against each other."""
+        """Check the timeouts against each other, and the counts."""
         self._check_timeouts()
+        self._check_counts()
+
+    def _check_counts(self) -> None:
+        for name in ("snapshot_every", "keep_snapshots", "shard_copy_every"):
+            value = getattr(self, name)
+            least = 1 if name == "keep_snapshots" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"LoopSettings.{name}={value!r} must be a whole number, at "
+                                 f"least {least}")
 
     def _check_timeouts(self) -> None:
         """Reject timeouts the guard could not honour, naming the fields and the fix."""
@@ -272,6 +290,7 @@ class ElasticLoop:
         self._previous_hook = sys.excepthook
         sys.excepthook = self._excepthook
         self._framework = FrameworkHooks(self)
+        self._sharded: ShardedState | None = None
 
     # -- what the loop reads
     @property
@@ -306,6 +325,18 @@ class ElasticLoop:
         return self._framework
 
     # -- what the loop calls
+    def mesh(self, *, hsdp: bool = False) -> DeviceMesh:
+        """The device mesh for ``fully_shard`` in this round: 1-D over every rank, or with
+        ``hsdp`` 2-D, ``("replicate", "shard")`` = (nodes, ranks per node): shards within
+        a node, replicas across nodes, so a node's loss costs no copy. Built from this
+        round's world size and ``LOCAL_WORLD_SIZE``; call it after construction, shard the
+        model, create the optimizer, then ``restore``.
+
+        Raises:
+            ValueError: ``hsdp`` with a world size that is not a whole number of nodes.
+        """
+        return round_mesh(self._device.type, self._world_size, hsdp=hsdp)
+
     def restore(self, objects: Mapping[str, Stateful] | None = None,
                 **named: Stateful) -> int:
         """Name what to save (modules, optimizers, schedulers, anything ``Stateful``) and
@@ -317,7 +348,14 @@ class ElasticLoop:
         """
         self._objects = {**(objects or {}), **named}
         started = time.perf_counter()
-        restored = self._restored = self._snapshots.restore(self._objects)
+        st = self._settings
+        self._sharded = sharded_state_for(self._objects, snapshot_dir=st.snapshot_dir,
+                                          copy_every=st.shard_copy_every,
+                                          keep_snapshots=st.keep_snapshots)
+        if self._sharded is not None:
+            restored = self._restored = as_restored(self._sharded.restore(), started)
+        else:
+            restored = self._restored = self._snapshots.restore(self._objects)
         seconds = time.perf_counter() - started
         self._times["restored_at"] = time.time()
         if restored is not None:
@@ -368,7 +406,11 @@ class ElasticLoop:
         ``loss`` over the ranks divided by ``total`` (default: the world size).
         """
         values = loss.detach().reshape(1) if loss is not None else None
+        sharded, copied = self._sharded, {}
         try:
+            if sharded is not None and sharded.copy_due(self._step + 1):
+                # Before the agreement: once it passes, every rank's copy has arrived.
+                copied["copy_s"] = sharded.copy(self._step + 1, self._rest(self._next))
             agreed = self._guard.agree(values)
             self._held.confirm()
         except Exception as exc:
@@ -381,7 +423,7 @@ class ElasticLoop:
             mean = float(agreed.values[0].item()) / (total or self._world_size)
         where = {} if self._position is None else {"epoch": self._position.epoch,
                                                    "offset": self._position.offset}
-        self._emit("step", self._step, loss=mean, **where)  # where the data stands after it
+        self._emit("step", self._step, loss=mean, **where, **copied)  # where the data stands
         if agreed.stop:
             if agreed.restart:
                 self._stopped_for_restart()
@@ -390,6 +432,9 @@ class ElasticLoop:
         if (s.snapshot_dir is not None and s.snapshot_every > 0
                 and self._step % s.snapshot_every == 0
                 and (s.total_steps is None or self._step < s.total_steps)):
+            if sharded is not None:
+                self._commit_now()
+                return mean
             try:  # collective (every rank's RNG states go to rank 0): a peer may die in it
                 future = self._snapshots.commit(self._step, self._state())
             except Exception as exc:
@@ -485,6 +530,17 @@ class ElasticLoop:
             state["data"] = {**at.to_state(), **self._data_settings}
         return state
 
+    def _rest(self, position: DataPosition | None = None) -> dict[str, Any]:
+        """What a sharded state carries beside the model and optimizers: the data."""
+        at = position if position is not None else self._position
+        return {} if at is None else {"data": {**at.to_state(), **self._data_settings}}
+
+    def _keep_local(self) -> object | None:
+        """Keep the completed step in node memory at a step boundary; None if not kept."""
+        if self._sharded is not None:
+            return self._sharded.keep(self._step, self._rest())
+        return self._snapshots.keep_local(self._step, self._state())
+
     def _fail(self, exc: BaseException) -> NoReturn:
         """A step raised ``exc``: a peer's fault under an etcd-ext agent keeps the held step
         and waits for the agent to stop this worker; anything else is raised again."""
@@ -521,9 +577,15 @@ class ElasticLoop:
         # Left between begin_update and end_update: that update is not held, and its lock
         # (this thread's) must be let go before the keep takes it.
         self._abandon_update(why)
-        result = self._held.keep(
-            lambda step, position: self._snapshots.stage_kept(self._state(position)),
-            self._snapshots.write_kept)
+        sharded = self._sharded
+        result: tuple[int, object | None] | None
+        if sharded is not None:
+            result = self._held.keep(
+                lambda step, position: sharded.stage(step, self._rest(position)), sharded.write)
+        else:
+            result = self._held.keep(
+                lambda step, position: self._snapshots.stage_kept(self._state(position)),
+                self._snapshots.write_kept)
         step = result[0] if result is not None else (self._held.step or self._step)
         kept = result is not None and result[1] is not None
         if kept:
@@ -532,6 +594,13 @@ class ElasticLoop:
 
     def _commit_now(self) -> None:
         if self._settings.snapshot_dir is None:
+            return
+        if self._sharded is not None:
+            try:
+                seconds = self._sharded.save(self._step, self._rest())
+            except Exception as exc:
+                self._fail(exc)
+            self._emit("snapshot", self._step, blocking_s=seconds, write_s=seconds, bytes=None)
             return
         try:
             info = self._snapshots.commit_now(self._step, self._state())
@@ -561,7 +630,7 @@ class ElasticLoop:
         reason = control.leaving_reason() or "membership"
         logger.info("stopping at step %d: the etcd-ext agent restarts the round (%s)",
                     self._step, reason)
-        kept = self._snapshots.keep_local(self._step, self._state())
+        kept = self._keep_local()
         self._emit("stopped", self._step, reason=reason,
                    kept=self._step if kept is not None else None)
         code = self._guard.preempted_exit_code()
@@ -575,7 +644,7 @@ class ElasticLoop:
         logger.warning("stopping at step %d: %s", self._step,
                        f"got {signal.Signals(received).name}" if received
                        else "a peer was signalled")
-        self._snapshots.keep_local(self._step, self._state())
+        self._keep_local()
         self._commit_now()
         code = self._guard.preempted_exit_code()
         # After the wait for this worker's own signal: its agent may tell it of the job's

@@ -14,11 +14,11 @@ State replicated under DDP is written once, by global rank 0, into its own view 
 the directory; it need not be shared. A worker that leaves without a durable
 snapshot keeps its last completed step in node memory (``local``), and restore
 takes the newest step any rank holds, checks that its holders agree (``agreement``)
-and has the lowest holder send it to every rank (``handoff``). Sharded state (FSDP,
-tensor parallel) is out of scope: every rank would have to keep its part. The
-first building blocks of handing it off, not used yet, are ``redundancy`` (who keeps a
-copy of whose shard, who sends which chunk) and ``memory_storage`` (DCP storage in
-memory).
+and has the lowest holder send it to every rank (``handoff``). Sharded state (FSDP2,
+HSDP) is ``sharded``'s: every rank keeps its own chunks (``shards``), a copy goes to
+another node (``redundancy``: the HSDP replica twin, else a buddy ring), and the next
+world reshards the newest whole step (``shard_agreement``) from peers' memory through
+DCP's planner (``peer_reader`` over ``memory_storage``, moved by ``shard_transfer``).
 
 This package exports what a training loop and an operator need. The parts, one
 job each, are importable on their own: ``layout`` (file names, the manifest),

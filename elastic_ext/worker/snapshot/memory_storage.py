@@ -9,7 +9,8 @@ do so with memory as the storage:
 * :class:`MemoryWriter` keeps each saved chunk's bytes in :attr:`MemoryWriter.chunks`,
   keyed by :data:`~elastic_ext.worker.snapshot.redundancy.ChunkKey`.
 * :class:`MemoryReader` serves DCP's reads from any mapping of chunk key to bytes: here
-  a dict handed in (chunks gathered from several writers), later the peers' memory.
+  a dict handed in (chunks gathered from several writers), or (``peer_reader``) the
+  chunks other ranks send from their memory.
 
 Both use only DCP's public API (``StorageWriter``, ``StorageReader``, the plan items
 and ``Metadata``), so nothing here is in ``elastic_ext.torch_compat``. In one process,
@@ -135,7 +136,8 @@ class MemoryReader(StorageReader):
     chunk is narrowed to the slice DCP's planner asked for.
     """
 
-    def __init__(self, metadata: Metadata, chunks: Mapping[ChunkKey, bytes]) -> None:
+    def __init__(self, metadata: Metadata, chunks: Mapping[ChunkKey, bytes | torch.Tensor]
+                 ) -> None:
         super().__init__()
         self.metadata = metadata
         self.chunks = chunks
@@ -171,7 +173,8 @@ class MemoryReader(StorageReader):
                     "their senders) or restore from the durable snapshot")
             raw = self.chunks[key]
             if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(raw))
+                as_bytes = raw if isinstance(raw, bytes) else raw.numpy().tobytes()
+                planner.load_bytes(item, io.BytesIO(as_bytes))
                 continue
             source = self._slice(item, key, raw)
             target = planner.resolve_tensor(item).detach()
@@ -184,7 +187,7 @@ class MemoryReader(StorageReader):
             planner.commit_tensor(item, target)
         return _done(None)
 
-    def _slice(self, item: ReadItem, key: ChunkKey, raw: bytes) -> torch.Tensor:
+    def _slice(self, item: ReadItem, key: ChunkKey, raw: bytes | torch.Tensor) -> torch.Tensor:
         """The part of the saved chunk ``raw`` that ``item`` reads, as a tensor view."""
         if key not in self._sizes:
             raise ChunkDamagedError(f"chunk {key[0]}@{list(key[1])} is not a tensor chunk in "
@@ -198,6 +201,10 @@ class MemoryReader(StorageReader):
                 "restore from the durable snapshot")
         if expected == 0:
             chunk = torch.empty(sizes, dtype=dtype)
+        elif isinstance(raw, torch.Tensor):
+            if raw.storage_offset() % dtype.itemsize:  # a view must start aligned
+                raw = raw.clone()
+            chunk = raw.view(dtype).reshape(sizes)
         else:
             with warnings.catch_warnings():
                 # bytes are read-only; the view is only read from (copied into the target).

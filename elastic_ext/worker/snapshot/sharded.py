@@ -1,0 +1,365 @@
+"""A sharded model's state (FSDP2, HSDP) kept, copied to another node, and handed off.
+
+What ``Snapshotter`` does for a replicated (DDP) state, for one whose parameters and
+optimizer state are DTensors spread over the ranks:
+
+* **keep** (a fault, a membership stop): every rank writes its own set
+  (``shards.ShardSet``) into node memory, with the buddy copies it holds and the set it
+  last sent, so a step whose copy was still under way when the node died is whole at
+  the previous step.
+* **copy** (every ``copy_every`` steps, before the step boundary's agreement): without
+  replicas across nodes, each rank sends its set to its keeper on the next node
+  (``redundancy.keeper``, a buddy ring) and receives the set of the rank it keeps for,
+  one flat buffer each way; the last two received are held (double-buffered). Under
+  HSDP the replica twin on another node already holds the same chunks: nothing is sent.
+* **restore** (collective, at any world size): every rank reports the sets its node
+  keeps; ``shard_agreement`` picks the newest step they cover whole; DCP's planner cuts
+  it into the new world's shards and ``peer_reader.PeerReader`` moves the chunks from
+  the ranks that hold them. A durable snapshot (DCP format, ``dcp-<step>`` in the
+  snapshot directory, which every rank must be able to read) wins when it is newer.
+
+GPU (NCCL): a set is captured with blocking device-to-host copies of this rank's shards
+(no copy of the whole state on the device); the chunks travel through the GPU one piece
+at a time (``shard_transfer``). Gloo moves host memory directly. Neither has run on a
+GPU here.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from elastic_ext.worker import control
+from elastic_ext.worker.snapshot.errors import SnapshotError, SnapshotMismatchError
+from elastic_ext.worker.snapshot.peer_reader import PeerReader
+from elastic_ext.worker.snapshot.redundancy import ChunkKey, keeper, keepers
+from elastic_ext.worker.snapshot.shard_agreement import ShardPlan, plan_shard_restore
+from elastic_ext.worker.snapshot.shard_transfer import all_gather_objects, exchange, flat
+from elastic_ext.worker.snapshot.shards import (
+    ShardSet,
+    ShardSetDamagedError,
+    capture,
+    header_of,
+    list_sets,
+    metadata,
+    read_set,
+    with_digests,
+    write_set,
+)
+
+logger = logging.getLogger("elastic_ext.worker.snapshot")  # the whole package logs under one name
+
+REST_KEY = "__rest__"
+"""Everything but the model and its optimizers (schedulers, the data position), as one
+opaque item: the same on every rank."""
+DURABLE_PREFIX = "dcp-"
+_LEN = 8
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s parameters are DTensors (``fully_shard``, tensor parallel)."""
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def replicas_of(module: torch.nn.Module) -> int:
+    """The size of the replicate dimension of ``module``'s mesh: >1 under HSDP."""
+    for p in module.parameters():
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            return mesh.size(0) if mesh.ndim == 2 else 1
+    return 1
+
+
+@dataclass(frozen=True)
+class ShardRestored:
+    """What :meth:`ShardedState.restore` loaded."""
+
+    step: int
+    rest: dict[str, Any]
+    source: str
+    origin: str
+    bytes: int
+
+
+def durable_name(step: int) -> str:
+    return f"{DURABLE_PREFIX}{step:010d}"
+
+
+def newest_durable(directory: Path | None) -> int | None:
+    """The newest complete DCP snapshot's step in ``directory`` (its ``.metadata`` written)."""
+    if directory is None:
+        return None
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return None
+    steps = [int(n[len(DURABLE_PREFIX):]) for n in names
+             if n.startswith(DURABLE_PREFIX) and n[len(DURABLE_PREFIX):].isdigit()
+             and (directory / n / ".metadata").exists()]
+    return max(steps, default=None)
+
+
+class ShardedState:
+    """Keeps, copies, snapshots and restores one sharded ``model`` with its optimizers.
+
+    ``others`` (schedulers, anything ``Stateful``) travel whole, as does ``rest`` (the
+    data position): they are the same on every rank. ``local_dir`` is the node-memory
+    directory of this worker's agent (None: nothing is kept or copied); ``copy_every``
+    0 turns the buddy copy off (a node loss then falls back to the durable snapshot).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizers: Mapping[str, torch.optim.Optimizer],
+                 others: Mapping[str, Any], *, model_name: str, local_dir: Path | None,
+                 snapshot_dir: Path | None, copy_every: int = 1, keep_snapshots: int = 3
+                 ) -> None:
+        self.model, self.model_name = model, model_name
+        self.optimizers, self.others = dict(optimizers), dict(others)
+        self.local_dir, self.snapshot_dir = local_dir, snapshot_dir
+        self.copy_every, self.keep_snapshots = copy_every, keep_snapshots
+        self._rank, self._world = dist.get_rank(), dist.get_world_size()
+        self._per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self._replicas = replicas_of(model)
+        self._sent: list[ShardSet] = []      # the last two sets this rank sent its keeper
+        self._held: dict[int, list[ShardSet]] = {}  # the last two received, by owner
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        nodes = self._world // max(1, self._per_node)
+        self._ring = (self._replicas == 1 and nodes >= 2 and self._world % self._per_node == 0
+                      and self.local_dir is not None and copy_every > 0)
+        if self._ring:
+            ring = keepers(self._world, self._per_node)
+            self._keeper = ring[self._rank].rank
+            self._keeps_for = [r for r, k in enumerate(ring) if k.rank == self._rank]
+        if snapshot_dir is not None and self._rank == 0:
+            snapshot_dir.mkdir(parents=True, exist_ok=True)
+
+    # -- the state as DCP sees it
+    def state_dict(self, rest: Mapping[str, Any]) -> dict[str, Any]:
+        """What a set or a DCP snapshot holds: DTensors of the model and optimizers, and
+        the rest as one opaque item."""
+        state: dict[str, Any] = {self.model_name: get_model_state_dict(self.model)}
+        for name, optimizer in self.optimizers.items():
+            state[name] = get_optimizer_state_dict(self.model, optimizer)
+        blob = io.BytesIO()
+        torch.save({"others": {n: o.state_dict() for n, o in self.others.items()},
+                    "rest": dict(rest)}, blob)
+        state[REST_KEY] = blob.getvalue()
+        return state
+
+    def _capture(self, step: int, rest: Mapping[str, Any], slot: int | None = None) -> ShardSet:
+        buffer = self._buffers[slot] if slot is not None else None
+        shards = capture(self.state_dict(rest), step=step, round_=control.current_round(),
+                         world_size=self._world, owner=self._rank, buffer=buffer)
+        if slot is not None:
+            self._buffers[slot] = shards.buffer
+        return shards
+
+    # -- the buddy copy
+    def copy_due(self, step: int) -> bool:
+        return self._ring and step % self.copy_every == 0
+
+    def copy(self, step: int, rest: Mapping[str, Any]) -> float:
+        """Send this rank's set of completed ``step`` to its keeper and receive the sets it
+        keeps (collective over the ring); the seconds it blocked."""
+        started = time.perf_counter()
+        newest = self._sent[-1].buffer if self._sent else None
+        slot = 1 if newest is not None and self._buffers[0] is newest else 0
+        # The set about to be overwritten is no longer a copy this rank can keep.
+        self._sent = [s for s in self._sent if s.buffer is not self._buffers[slot]]
+        shards = self._capture(step, rest, slot)
+        packed = _pack(shards)
+        sizes = exchange({self._keeper: torch.tensor([packed.numel()], dtype=torch.int64)
+                          .view(torch.uint8)}, dict.fromkeys(self._keeps_for, _LEN))
+        received = exchange({self._keeper: packed},
+                            {r: int(sizes[r].view(torch.int64)[0]) for r in self._keeps_for})
+        self._sent = [*self._sent[-1:], shards]
+        for owner in self._keeps_for:
+            kept = [h for h in self._held.get(owner, []) if h.step != step][-1:]
+            self._held[owner] = [*kept, _unpack(received[owner])]
+        return time.perf_counter() - started
+
+    # -- keeping in node memory
+    def stage(self, step: int, rest: Mapping[str, Any]) -> ShardSet:
+        """This rank's set of held ``step``, in host memory (the keep's first half)."""
+        return self._capture(step, rest)
+
+    def write(self, step: int, own: ShardSet | None) -> int | None:
+        """Write ``own`` (from :meth:`stage`), the sets last sent and those held for others
+        into node memory; ``step`` if this rank's own set was written, else None."""
+        if self.local_dir is None:
+            return None
+        sets = [*([own] if own is not None else []),
+                *(s for s in self._sent if own is None or s.step != own.step),
+                *(h for held in self._held.values() for h in held)]
+        written = None
+        for shards in sets:
+            try:
+                write_set(self.local_dir, with_digests(shards))
+                if shards is own:
+                    written = step
+            except OSError as exc:
+                logger.warning("could not keep the shards of step %d (rank %d) in %s: %s",
+                               shards.step, shards.owner, self.local_dir, exc)
+        return written
+
+    def keep(self, step: int, rest: Mapping[str, Any]) -> int | None:
+        return self.write(step, self.stage(step, rest))
+
+    # -- durable snapshots
+    def save(self, step: int, rest: Mapping[str, Any]) -> float:
+        """A durable DCP snapshot of ``step`` (collective); the seconds it took."""
+        assert self.snapshot_dir is not None
+        started = time.perf_counter()
+        dcp.save(self.state_dict(rest), checkpoint_id=self.snapshot_dir / durable_name(step))
+        if self._rank == 0:
+            self._drop_old_snapshots()
+        return time.perf_counter() - started
+
+    def _drop_old_snapshots(self) -> None:
+        assert self.snapshot_dir is not None
+        steps = sorted((int(n[len(DURABLE_PREFIX):]) for n in os.listdir(self.snapshot_dir)
+                        if n.startswith(DURABLE_PREFIX) and n[len(DURABLE_PREFIX):].isdigit()),
+                       reverse=True)
+        for old in steps[self.keep_snapshots:]:
+            shutil.rmtree(self.snapshot_dir / durable_name(old), ignore_errors=True)
+
+    # -- restoring
+    def restore(self) -> ShardRestored | None:
+        """Load the newest whole step (node memory of any rank, or the durable snapshot)
+        into the model, optimizers and others on every rank (collective); None: nothing."""
+        mine = self._read_kept()
+        durable = newest_durable(self.snapshot_dir)
+        reports = all_gather_objects(([s.header() for s in mine], durable))
+        plan = plan_shard_restore([headers for headers, _ in reports])
+        if self._rank == 0:
+            for warning in plan.warnings:
+                logger.warning("%s", warning)
+        seen = [d for _, d in reports]
+        known = [d for d in seen if d is not None]
+        on_disk = min(known) if len(known) == len(seen) else None
+        if self._rank == 0 and on_disk is None and any(d is not None for d in seen):
+            logger.warning("only some ranks see a durable snapshot in %s: sharded snapshots "
+                           "need a directory every rank can read (a shared file system)",
+                           self.snapshot_dir)
+        if plan.step is not None and (on_disk is None or plan.step >= on_disk):
+            return self._load_from_memory(plan, mine)
+        if on_disk is not None:
+            return self._load_from_disk(on_disk)
+        return None
+
+    def _read_kept(self) -> list[ShardSet]:
+        """The sets in node memory this rank serves: the node's local ranks share the
+        files out round-robin; a damaged one is skipped, named."""
+        if self.local_dir is None:
+            return []
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        found = []
+        for i, (_, _, _, path) in enumerate(list_sets(self.local_dir)):
+            if i % self._per_node != local_rank:
+                continue
+            try:
+                found.append(read_set(path))
+            except ShardSetDamagedError as exc:
+                logger.warning("%s", exc)
+        return found
+
+    def _load_from_memory(self, plan: ShardPlan, mine: list[ShardSet]) -> ShardRestored:
+        assert plan.step is not None
+        local: dict[ChunkKey, torch.Tensor] = {}
+        for key, index in plan.holdings.get(self._rank, {}).items():
+            shards = mine[index]
+            chunk = next(c for c in shards.chunks if c.key == key)
+            local[key] = shards.chunk_bytes(chunk)
+        lengths = {(fqn, tuple(off)): int(length) for h in plan.headers
+                   for fqn, off, _s, length, *_ in h["chunks"]}
+        chosen = {key for held in plan.holdings.values() for key in held}
+        sets = [header_of(h, torch.empty(int(h["nbytes"]), dtype=torch.uint8))
+                for h in plan.headers]
+        reader = PeerReader(metadata(sets, chosen), local, holdings=plan.holdings,
+                            lengths=lengths)
+        rest = self._load(reader, f"the kept shards of step {plan.step}")
+        if self.local_dir is not None:
+            self._drop_kept_before(plan.step)
+        origin = (f"the kept shards of step {plan.step} (world {plan.world_size}) in the "
+                  "ranks' node memory")
+        logger.info("restored step %d from %s", plan.step, origin)
+        return ShardRestored(step=plan.step, rest=rest, source="peer", origin=origin,
+                             bytes=reader.moved_bytes)
+
+    def _load_from_disk(self, step: int) -> ShardRestored:
+        assert self.snapshot_dir is not None
+        path = self.snapshot_dir / durable_name(step)
+        rest = self._load(dcp.FileSystemReader(path), str(path), no_dist=False)
+        logger.info("restored step %d from %s", step, path)
+        return ShardRestored(step=step, rest=rest, source="disk", origin=str(path), bytes=0)
+
+    def _load(self, reader: Any, origin: str, no_dist: bool = True) -> dict[str, Any]:
+        state = self.state_dict({})
+        try:
+            with warnings.catch_warnings():  # no_dist is deliberate: the reader is collective
+                warnings.filterwarnings("ignore", message=".*assuming the intent is to load")
+                dcp.load(state, storage_reader=reader, no_dist=no_dist)
+        except BaseException as exc:  # DCP wraps every failure in a CheckpointException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise SnapshotMismatchError(f"{origin} does not fit this model and optimizer: "
+                                        f"{_first_failure(exc)}") from exc
+        set_model_state_dict(self.model, state[self.model_name])
+        for name, optimizer in self.optimizers.items():
+            set_optimizer_state_dict(self.model, optimizer, state[name])
+        packed = torch.load(io.BytesIO(state[REST_KEY]), weights_only=True)
+        for name, obj in self.others.items():
+            if name in packed["others"]:
+                obj.load_state_dict(packed["others"][name])
+        return dict(packed["rest"])
+
+    def _drop_kept_before(self, step: int) -> None:
+        assert self.local_dir is not None
+        for old, _, _, path in list_sets(self.local_dir):
+            if old < step:
+                path.unlink(missing_ok=True)
+
+
+def _pack(shards: ShardSet) -> torch.Tensor:
+    import json
+    header = json.dumps(shards.header()).encode()
+    head = torch.frombuffer(bytearray(len(header).to_bytes(_LEN, "little") + header),
+                            dtype=torch.uint8)
+    return flat([head, shards.buffer])
+
+
+def _unpack(packed: torch.Tensor) -> ShardSet:
+    import json
+    length = int.from_bytes(packed[:_LEN].numpy().tobytes(), "little")
+    data = json.loads(packed[_LEN:_LEN + length].numpy().tobytes())
+    return header_of(data, packed[_LEN + length:])
+
+
+def _first_failure(exc: BaseException) -> str:
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, Mapping) and failures:
+        first = next(iter(failures.values()))
+        return str(getattr(first, "args", [first])[0] if isinstance(first, tuple) else first)
+    return str(exc)
+
+
+__all__ = ["DURABLE_PREFIX", "REST_KEY", "ShardRestored", "ShardedState", "SnapshotError",
+           "durable_name", "is_sharded", "keeper", "newest_durable", "replicas_of"]

@@ -1,0 +1,123 @@
+"""Sharded state (FSDP2, HSDP) end to end: real etcd, real torchrun agents, gloo on CPU.
+
+What only these can prove: under the agents' rounds, a sharded job that loses a node
+reshards to the new world from the survivors' memory (no snapshot directory at all),
+grows back when a node joins, trains no finished step twice, and its data order stays
+exactly once; the parameters equal those of an uninterrupted run of the same world-size
+sequence where the reduction order is the same (see each test).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from elastic_ext.jsonlines import read_json_lines
+from elastic_ext.local.job import JobSpec, LocalJob, Node, wait_for_step
+from elastic_ext.local.processes import ProcessSet, wait_until
+from tests.support.trainer_runs import _TORCHRUN, BASE_ARGS, PY, run_to_end
+from tests.test_handoff_e2e import per_step_batches, uninterrupted_batches
+
+pytestmark = pytest.mark.slow
+
+STEPS = 400
+
+
+def spec(tmp: Path, shard: str, nproc: int, steps: int = STEPS) -> JobSpec:
+    command = ["-m", "trainer", *BASE_ARGS, "--steps", str(steps), "--shard", shard,
+               "--metrics", str(tmp / "metrics.jsonl"), "--record-samples",
+               str(tmp / "samples.jsonl"), "--step-delay", "0.05"]
+    return JobSpec(command=command, nnodes="2:3", nproc_per_node=nproc, run_id=f"shard-{shard}",
+                   max_restarts=0, rdzv_conf="last_call_timeout=5")
+
+
+def events(tmp: Path, kind: str) -> list[dict[str, Any]]:
+    return [e for e in read_json_lines(tmp / "metrics.jsonl") if e["event"] == kind]
+
+
+def not_rank0(job: LocalJob) -> Node:
+    return next(n for n in job.nodes if n.alive() and n.group_rank() not in (0, None))
+
+
+def run_losses_and_a_join(tmp: Path, shard: str, nproc: int) -> list[dict[str, Any]]:
+    """3 nodes; kill one that is not rank 0's, a node joins, kill rank 0's node; the
+    restores after the first."""
+    with LocalJob(spec(tmp, shard, nproc), tmp).start(3) as job:
+        metrics = tmp / "metrics.jsonl"
+        wait_for_step(metrics, after=0.0, world_size=3 * nproc, timeout=90)
+        wait_until(lambda: events(tmp, "step")[-1]["step"] >= 15, 60, what="step 15")
+        not_rank0(job).kill()
+        after_death = wait_for_step(metrics, after=0.0, world_size=2 * nproc, timeout=90)
+        job.add_node()
+        after_join = wait_for_step(metrics, after=after_death["time"], world_size=3 * nproc,
+                                   timeout=90)
+        wait_until(lambda: events(tmp, "step")[-1]["step"] >= after_join["step"] + 10, 60,
+                   what="10 steps after the join")
+        job.rank0_node().kill()
+        wait_for_step(metrics, after=after_join["time"], world_size=2 * nproc, timeout=90)
+        survivors = [n for n in job.nodes if n.alive()]
+        codes = [n.proc.wait(timeout=180) for n in survivors]
+        assert codes == [0, 0], [n.proc.output()[-3000:] for n in survivors]
+    return events(tmp, "restore")[1:]
+
+
+def check_no_step_twice_and_exactly_once(tmp: Path, restores: list[dict[str, Any]],
+                                         nproc: int) -> None:
+    assert [r["world_size"] for r in restores] == [2 * nproc, 3 * nproc, 2 * nproc]
+    assert all(r["source"] == "peer" for r in restores), restores
+    steps = [e["step"] for e in events(tmp, "step")]
+    assert len(steps) == len(set(steps)), "a finished step was trained twice"
+    chosen = per_step_batches(read_json_lines(tmp / "samples.jsonl"))
+    assert chosen == uninterrupted_batches(STEPS)
+    assert events(tmp, "done")[-1]["step"] == STEPS
+
+
+@pytest.mark.timeout(300)
+def test_full_sharding_reshards_from_the_survivors_memory_without_a_snapshot_dir(
+        tmp_path: Path) -> None:
+    restores = run_losses_and_a_join(tmp_path, "fsdp", 1)
+    check_no_step_twice_and_exactly_once(tmp_path, restores, 1)
+
+
+@pytest.mark.timeout(360)
+def test_hsdp_hands_off_from_the_replicas_on_the_surviving_nodes(tmp_path: Path) -> None:
+    restores = run_losses_and_a_join(tmp_path, "hsdp", 2)
+    check_no_step_twice_and_exactly_once(tmp_path, restores, 2)
+
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "fsdp2_loop.py"
+
+
+def run_example(processes: ProcessSet, tmp: Path, nproc: int, steps: int) -> None:
+    launcher = [str(_TORCHRUN)] if _TORCHRUN.exists() else [PY, "-m", "torch.distributed.run"]
+    cmd = [*launcher, "--standalone", f"--nproc-per-node={nproc}", str(EXAMPLE),
+           "--steps", str(steps), "--snapshot-dir", str(tmp / "snapshots"),
+           "--snapshot-every", "5", "--metrics", str(tmp / "metrics.jsonl")]
+    run_to_end(processes, f"fsdp2-example-{nproc}", cmd, timeout=120)
+
+
+@pytest.mark.timeout(300)
+def test_a_whole_job_restart_resumes_the_fsdp2_example_from_dcp_at_another_world_size(
+        tmp_path: Path, processes: ProcessSet) -> None:
+    """No agent, no node memory: stock torchrun twice, 2 ranks then 3. The second job
+    reshards the first one's last DCP snapshot, which torch's own tools read too."""
+    run_example(processes, tmp_path, 2, 8)
+    snapshot = tmp_path / "snapshots" / "dcp-0000000008"
+    assert (snapshot / ".metadata").is_file()
+    assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == [
+        "dcp-0000000005", "dcp-0000000008"]
+    run_example(processes, tmp_path, 3, 12)
+    restore = events(tmp_path, "restore")[-1]
+    assert (restore["source"], restore["step"], restore["world_size"]) == ("disk", 8, 3)
+    steps = [(e["step"], e["world_size"]) for e in events(tmp_path, "step")]
+    assert steps == [(s, 2) for s in range(1, 9)] + [(s, 3) for s in range(9, 13)]
+    # torch's own converter reads the snapshot as one full state dict
+    full = tmp_path / "full.pt"
+    dcp_to_torch_save(snapshot, full)
+    state = torch.load(full, weights_only=False)
+    assert tuple(state["model"]["blocks.0.ff.0.weight"].shape) == (128, 32)
+    assert "optimizer" in state
