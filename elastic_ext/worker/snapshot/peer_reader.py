@@ -68,12 +68,12 @@ class PeerReader(MemoryReader):
             sender = senders[me][key]
             if sender != me:
                 incoming.setdefault(sender, []).append(key)
-        received = exchange({peer: flat(parts) for peer, parts in outgoing.items()},
-                            {peer: sum(self._lengths[k] for k in keys)
+        received = exchange({peer: [flat(parts)] for peer, parts in outgoing.items()},
+                            {peer: [sum(self._lengths[k] for k in keys)]
                              for peer, keys in incoming.items()}, group=self._group)
         chunks: dict[ChunkKey, bytes | torch.Tensor] = dict(self._local)
         for sender, keys in incoming.items():
-            buffer, start = received[sender], 0
+            buffer, start = received[sender][0], 0
             for key in keys:
                 chunks[key] = buffer[start:start + self._lengths[key]]
                 start += self._lengths[key]

@@ -30,30 +30,33 @@ def flat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([p.reshape(-1) for p in parts]) if len(parts) > 1 else parts[0].reshape(-1)
 
 
-def exchange(outgoing: Mapping[int, torch.Tensor], incoming: Mapping[int, int], *,
+def exchange(outgoing: Mapping[int, Sequence[torch.Tensor]],
+             incoming: Mapping[int, Sequence[int]], *,
              group: dist.ProcessGroup | None = None,
-             piece_bytes: int = CHUNK_BYTES) -> dict[int, torch.Tensor]:
-    """Send ``outgoing[peer]`` to each peer and receive ``incoming[peer]`` bytes from each;
-    the received buffers (uint8, host) by peer.
+             piece_bytes: int = CHUNK_BYTES) -> dict[int, list[torch.Tensor]]:
+    """Send the buffers ``outgoing[peer]`` (uint8, host) to each peer and receive buffers
+    of the sizes ``incoming[peer]`` from each; the received buffers by peer.
 
     Only the ranks named take part: every pair's two ends must call it with matching
-    sizes. ``group`` None: the default group (peers are global ranks either way).
+    sizes, in the same order. ``group`` None: the default group (peers are global ranks
+    either way). A buffer for this rank itself is handed back as it is.
     """
     me = dist.get_rank()
     device = collective_device(group)
-    received = {peer: torch.empty(size, dtype=torch.uint8) for peer, size in incoming.items()
-                if peer != me}
-    longest = max([t.numel() for p, t in outgoing.items() if p != me]
-                  + [n for p, n in incoming.items() if p != me] + [0])
+    received = {peer: [torch.empty(n, dtype=torch.uint8) for n in sizes]
+                for peer, sizes in incoming.items() if peer != me}
+    sends = [(peer, buf) for peer in sorted(outgoing) if peer != me for buf in outgoing[peer]]
+    recvs = [(peer, buf) for peer in sorted(received) for buf in received[peer]]
+    longest = max([int(b.numel()) for _, b in sends + recvs] + [0])
     for start in range(0, longest, piece_bytes):
         ops: list[dist.P2POp] = []
         landing: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for peer in sorted(outgoing):
-            part = outgoing[peer][start:start + piece_bytes]
-            if peer != me and part.numel():
+        for peer, buf in sends:
+            part = buf[start:start + piece_bytes]
+            if part.numel():
                 ops.append(dist.P2POp(dist.isend, part.to(device), peer, group))
-        for peer in sorted(received):
-            part = received[peer][start:start + piece_bytes]
+        for peer, buf in recvs:
+            part = buf[start:start + piece_bytes]
             if part.numel():
                 dest = part if device.type == "cpu" else torch.empty_like(part, device=device)
                 ops.append(dist.P2POp(dist.irecv, dest, peer, group))
@@ -65,7 +68,7 @@ def exchange(outgoing: Mapping[int, torch.Tensor], incoming: Mapping[int, int], 
             if dest is not part:
                 part.copy_(dest)
     if me in outgoing:
-        received[me] = outgoing[me]
+        received[me] = list(outgoing[me])
     return received
 
 

@@ -27,6 +27,7 @@ GPU here.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import shutil
@@ -53,14 +54,16 @@ from elastic_ext.worker.snapshot.errors import SnapshotError, SnapshotMismatchEr
 from elastic_ext.worker.snapshot.peer_reader import PeerReader
 from elastic_ext.worker.snapshot.redundancy import ChunkKey, keeper, keepers
 from elastic_ext.worker.snapshot.shard_agreement import ShardPlan, plan_shard_restore
-from elastic_ext.worker.snapshot.shard_transfer import all_gather_objects, exchange, flat
+from elastic_ext.worker.snapshot.shard_transfer import all_gather_objects, exchange
 from elastic_ext.worker.snapshot.shards import (
+    Layout,
     ShardSet,
     ShardSetDamagedError,
     capture,
     header_of,
     list_sets,
     metadata,
+    plan_layout,
     read_set,
     with_digests,
     write_set,
@@ -141,6 +144,9 @@ class ShardedState:
         self._sent: list[ShardSet] = []      # the last two sets this rank sent its keeper
         self._held: dict[int, list[ShardSet]] = {}  # the last two received, by owner
         self._buffers: list[torch.Tensor | None] = [None, None]
+        self._layout: Layout | None = None
+        self._layout_of: tuple[int, ...] = ()
+        self._group_params: dict[str, list[tuple[str, ...]]] = {}
         nodes = self._world // max(1, self._per_node)
         self._ring = (self._replicas == 1 and nodes >= 2 and self._world % self._per_node == 0
                       and self.local_dir is not None and copy_every > 0)
@@ -152,24 +158,73 @@ class ShardedState:
             snapshot_dir.mkdir(parents=True, exist_ok=True)
 
     # -- the state as DCP sees it
-    def state_dict(self, rest: Mapping[str, Any]) -> dict[str, Any]:
-        """What a set or a DCP snapshot holds: DTensors of the model and optimizers, and
-        the rest as one opaque item."""
+    def dcp_state(self) -> dict[str, Any]:
+        """The model's and optimizers' state as DCP saves it (DTensors, param groups by
+        name): what a durable snapshot holds beside :data:`REST_KEY`."""
         state: dict[str, Any] = {self.model_name: get_model_state_dict(self.model)}
         for name, optimizer in self.optimizers.items():
             state[name] = get_optimizer_state_dict(self.model, optimizer)
-        blob = io.BytesIO()
-        torch.save({"others": {n: o.state_dict() for n, o in self.others.items()},
-                    "rest": dict(rest)}, blob)
-        state[REST_KEY] = blob.getvalue()
         return state
 
+    def _rest_blob(self, rest: Mapping[str, Any]) -> bytes:
+        """Everything that is the same on every rank, as one item: the others' state, the
+        loop's ``rest``, and each optimizer's param groups (by parameter name)."""
+        blob = io.BytesIO()
+        torch.save({"others": {n: o.state_dict() for n, o in self.others.items()},
+                    "rest": dict(rest), "param_groups": self._param_groups()}, blob)
+        return blob.getvalue()
+
+    def _param_groups(self) -> dict[str, list[dict[str, Any]]]:
+        if self._layout is None:
+            return {name: self.dcp_state()[name]["param_groups"] for name in self.optimizers}
+        groups = {}
+        for name, optimizer in self.optimizers.items():
+            names = self._group_params[name]
+            groups[name] = [{**{k: v for k, v in g.items() if k != "params"},
+                             "params": list(names[i])}
+                            for i, g in enumerate(optimizer.param_groups)]
+        return groups
+
+    def _tensors(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """``dcp_state`` without the param groups: the tensors a set holds."""
+        return {name: ({"state": value["state"]} if name in self.optimizers else value)
+                for name, value in state.items()}
+
+    def _fingerprint(self) -> tuple[int, ...]:
+        """Where the state's tensors live now: a cached layout is valid while this holds."""
+        def ptr(t: torch.Tensor) -> int:
+            return (t.to_local() if isinstance(t, DTensor) else t).data_ptr()
+        ptrs = [ptr(p) for p in self.model.parameters()]
+        for optimizer in self.optimizers.values():
+            ptrs.extend(ptr(v) for st in optimizer.state.values() for v in st.values()
+                        if isinstance(v, torch.Tensor))
+        return tuple(ptrs)
+
+    def _current_layout(self) -> Layout:
+        fingerprint = self._fingerprint()
+        if self._layout is None or fingerprint != self._layout_of:
+            state = self.dcp_state()
+            self._group_params = {name: [tuple(g["params"]) for g in state[name]["param_groups"]]
+                                  for name in self.optimizers}
+            self._layout = plan_layout(self._tensors(state))
+            self._layout_of = self._fingerprint()  # get_optimizer_state_dict may create state
+        return self._layout
+
     def _capture(self, step: int, rest: Mapping[str, Any], slot: int | None = None) -> ShardSet:
-        buffer = self._buffers[slot] if slot is not None else None
-        shards = capture(self.state_dict(rest), step=step, round_=control.current_round(),
-                         world_size=self._world, owner=self._rank, buffer=buffer)
+        layout = self._current_layout()
+        extras = {REST_KEY: self._rest_blob(rest)}
+        buffer = None
         if slot is not None:
-            self._buffers[slot] = shards.buffer
+            need = layout.nbytes + len(extras[REST_KEY]) + 64
+            buffer = self._buffers[slot]
+            if buffer is None or buffer.numel() < need:
+                pinned = any(t.is_cuda for t in layout.sources)
+                buffer = self._buffers[slot] = torch.empty(need + 4096, dtype=torch.uint8,
+                                                           pin_memory=pinned)
+        shards = capture(layout, extras, step=step, round_=control.current_round(),
+                         world_size=self._world, owner=self._rank, buffer=buffer)
+        if any(t.is_cuda for t in layout.sources):
+            torch.cuda.current_stream().synchronize()  # the copies landed before it is read
         return shards
 
     # -- the buddy copy
@@ -180,20 +235,24 @@ class ShardedState:
         """Send this rank's set of completed ``step`` to its keeper and receive the sets it
         keeps (collective over the ring); the seconds it blocked."""
         started = time.perf_counter()
-        newest = self._sent[-1].buffer if self._sent else None
-        slot = 1 if newest is not None and self._buffers[0] is newest else 0
+        newest = self._sent[-1].buffer.data_ptr() if self._sent else None
+        first = self._buffers[0]
+        slot = 1 if first is not None and first.data_ptr() == newest else 0
         # The set about to be overwritten is no longer a copy this rank can keep.
-        self._sent = [s for s in self._sent if s.buffer is not self._buffers[slot]]
+        base = self._buffers[slot]
+        self._sent = [s for s in self._sent
+                      if base is None or s.buffer.data_ptr() != base.data_ptr()]
         shards = self._capture(step, rest, slot)
-        packed = _pack(shards)
-        sizes = exchange({self._keeper: torch.tensor([packed.numel()], dtype=torch.int64)
-                          .view(torch.uint8)}, dict.fromkeys(self._keeps_for, _LEN))
-        received = exchange({self._keeper: packed},
-                            {r: int(sizes[r].view(torch.int64)[0]) for r in self._keeps_for})
+        head = _header_bytes(shards)
+        sizes = exchange({self._keeper: [torch.tensor([head.numel(), shards.nbytes],
+                                                      dtype=torch.int64).view(torch.uint8)]},
+                         {r: [2 * _LEN] for r in self._keeps_for})
+        lengths = {r: [int(v) for v in sizes[r][0].view(torch.int64)] for r in self._keeps_for}
+        received = exchange({self._keeper: [head, shards.buffer]}, lengths)
         self._sent = [*self._sent[-1:], shards]
         for owner in self._keeps_for:
             kept = [h for h in self._held.get(owner, []) if h.step != step][-1:]
-            self._held[owner] = [*kept, _unpack(received[owner])]
+            self._held[owner] = [*kept, _unpack(*received[owner])]
         return time.perf_counter() - started
 
     # -- keeping in node memory
@@ -228,7 +287,8 @@ class ShardedState:
         """A durable DCP snapshot of ``step`` (collective); the seconds it took."""
         assert self.snapshot_dir is not None
         started = time.perf_counter()
-        dcp.save(self.state_dict(rest), checkpoint_id=self.snapshot_dir / durable_name(step))
+        state = {**self.dcp_state(), REST_KEY: self._rest_blob(rest)}
+        dcp.save(state, checkpoint_id=self.snapshot_dir / durable_name(step))
         if self._rank == 0:
             self._drop_old_snapshots()
         return time.perf_counter() - started
@@ -312,7 +372,10 @@ class ShardedState:
         return ShardRestored(step=step, rest=rest, source="disk", origin=str(path), bytes=0)
 
     def _load(self, reader: Any, origin: str, no_dist: bool = True) -> dict[str, Any]:
-        state = self.state_dict({})
+        """Load through DCP: from peers' memory the tensors only (``no_dist``: the param
+        groups travel in the rest), from disk DCP's usual layout."""
+        full = self.dcp_state()
+        state = {**(self._tensors(full) if no_dist else full), REST_KEY: b""}
         try:
             with warnings.catch_warnings():  # no_dist is deliberate: the reader is collective
                 warnings.filterwarnings("ignore", message=".*assuming the intent is to load")
@@ -322,10 +385,15 @@ class ShardedState:
                 raise
             raise SnapshotMismatchError(f"{origin} does not fit this model and optimizer: "
                                         f"{_first_failure(exc)}") from exc
+        packed = state[REST_KEY]  # the blob itself from memory; from disk, bytes holding it
+        if isinstance(packed, bytes):
+            packed = torch.load(io.BytesIO(packed), weights_only=True)
         set_model_state_dict(self.model, state[self.model_name])
         for name, optimizer in self.optimizers.items():
-            set_optimizer_state_dict(self.model, optimizer, state[name])
-        packed = torch.load(io.BytesIO(state[REST_KEY]), weights_only=True)
+            loaded = dict(state[name])
+            if "param_groups" not in loaded:
+                loaded["param_groups"] = packed["param_groups"][name]
+            set_optimizer_state_dict(self.model, optimizer, loaded)
         for name, obj in self.others.items():
             if name in packed["others"]:
                 obj.load_state_dict(packed["others"][name])
@@ -338,19 +406,12 @@ class ShardedState:
                 path.unlink(missing_ok=True)
 
 
-def _pack(shards: ShardSet) -> torch.Tensor:
-    import json
-    header = json.dumps(shards.header()).encode()
-    head = torch.frombuffer(bytearray(len(header).to_bytes(_LEN, "little") + header),
-                            dtype=torch.uint8)
-    return flat([head, shards.buffer])
+def _header_bytes(shards: ShardSet) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(shards.header()).encode()), dtype=torch.uint8)
 
 
-def _unpack(packed: torch.Tensor) -> ShardSet:
-    import json
-    length = int.from_bytes(packed[:_LEN].numpy().tobytes(), "little")
-    data = json.loads(packed[_LEN:_LEN + length].numpy().tobytes())
-    return header_of(data, packed[_LEN + length:])
+def _unpack(head: torch.Tensor, buffer: torch.Tensor) -> ShardSet:
+    return header_of(json.loads(head.numpy().tobytes()), buffer)
 
 
 def _first_failure(exc: BaseException) -> str:

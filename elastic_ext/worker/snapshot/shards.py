@@ -172,56 +172,99 @@ def _sha256(data: torch.Tensor) -> str:
 
 
 def _host_bytes(data: torch.Tensor | io.BytesIO) -> torch.Tensor:
-    """A saved item's bytes as a uint8 host tensor (a view where it can be)."""
+    """A saved item's bytes as a uint8 tensor (a view of the tensor's own memory where it
+    can be: a layout copies from it every step)."""
     if isinstance(data, io.BytesIO):
         return torch.frombuffer(bytearray(data.getvalue()), dtype=torch.uint8)
     t = data.detach()
-    if t.is_cuda:
-        t = t.cpu()
-    return t.contiguous().reshape(-1).view(torch.uint8)
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
 
 
-def capture(state_dict: Mapping[str, Any], *, step: int, round_: int, world_size: int,
-            owner: int, buffer: torch.Tensor | None = None) -> ShardSet:
-    """This rank's chunks of ``state_dict`` as one set, its bytes copied into ``buffer``.
+@dataclass(frozen=True)
+class Layout:
+    """Where each of a state's tensor chunks goes in a set's buffer, and the tensors they
+    come from (views of the live state: a capture copies them, nothing is planned again).
 
-    ``state_dict`` is what DCP would save (DTensors from ``get_model_state_dict`` and
-    ``get_optimizer_state_dict``, plain tensors and values). Every chunk this rank
-    holds is kept, replicas included: DCP's save keeps one replica of each, the hand-off
-    needs them all. ``buffer`` is reused when it has the right size (a set copied every
-    step allocates once). On a GPU the chunks are copied to the host first; call it only
-    for a step the device finished.
+    Planned once with DCP's save planner (:func:`plan_layout`); valid while the state's
+    tensors are the same objects in the same memory, which the caller checks."""
+
+    chunks: tuple[Chunk, ...]
+    sources: tuple[torch.Tensor, ...]
+    tensors: Mapping[str, TensorInfo]
+    mappings: Mapping[str, tuple[str, ...]]
+    nbytes: int
+
+
+_ALIGN = 16  # every chunk starts aligned, so a dtype view of it needs no copy
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def plan_layout(state_dict: Mapping[str, Any]) -> Layout:
+    """This rank's tensor chunks of ``state_dict`` (what DCP would save: DTensors from
+    ``get_model_state_dict`` and ``get_optimizer_state_dict``, plain tensors), replicas
+    included (DCP's save keeps one replica of each; a hand-off needs them all).
+
+    Raises:
+        ValueError: ``state_dict`` holds a non-tensor value (pass those to
+            :func:`capture` as ``extras``).
     """
     planner = DefaultSavePlanner()
     planner.set_up_planner(dict(state_dict), storage_meta=None, is_coordinator=True)
     plan = planner.create_local_plan()
     items = sorted(plan.items, key=lambda i: (i.index.fqn, tuple(i.index.offset or ())))
-    parts: list[torch.Tensor] = []
+    chunks, sources = [], []
     tensors: dict[str, TensorInfo] = {}
-    metas: list[tuple[ChunkKey, str | None, tuple[int, ...]]] = []
+    start = 0
     for item in items:
-        key: ChunkKey = (item.index.fqn, tuple(item.index.offset or ()))
-        parts.append(_host_bytes(planner.resolve_data(item)))
         if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
-            metas.append((key, None, ()))
-            continue
+            raise ValueError(f"{item.index.fqn} is not a tensor: pass it as an extra")
+        source = _host_bytes(planner.resolve_data(item))
         dtype_name = str(item.tensor_data.properties.dtype)
         tensors[item.index.fqn] = TensorInfo(dtype_name, tuple(item.tensor_data.size))
-        metas.append((key, dtype_name, tuple(item.tensor_data.chunk.sizes)))
-    total = sum(int(p.numel()) for p in parts)
-    if buffer is None or buffer.numel() != total:
-        buffer = torch.empty(total, dtype=torch.uint8)
-    chunks = []
-    start = 0
-    for part, (key, dtype, sizes) in zip(parts, metas, strict=True):
-        n = int(part.numel())
-        target = buffer[start:start + n]
-        target.copy_(part)
-        chunks.append(Chunk(key=key, start=start, length=n, sha256="", dtype=dtype, sizes=sizes))
-        start += n
+        n = int(source.numel())
+        chunks.append(Chunk(key=(item.index.fqn, tuple(item.index.offset or ())), start=start,
+                            length=n, sha256="", dtype=dtype_name,
+                            sizes=tuple(item.tensor_data.chunk.sizes)))
+        sources.append(source)
+        start = _aligned(start + n)
     mappings = {k: tuple(v) for k, v in getattr(planner, "mappings", {}).items()}
+    return Layout(chunks=tuple(chunks), sources=tuple(sources), tensors=tensors,
+                  mappings=mappings, nbytes=start)
+
+
+def capture(layout: Layout, extras: Mapping[str, bytes], *, step: int, round_: int,
+            world_size: int, owner: int, buffer: torch.Tensor | None = None) -> ShardSet:
+    """The chunks ``layout`` names, copied now into one host buffer, then ``extras``
+    (non-tensor items, already serialized, the same on every rank) after them.
+
+    ``buffer`` is reused when it is large enough (a set copied every step allocates
+    once); on a GPU it should be pinned. Device tensors are copied with
+    ``non_blocking``: the caller synchronizes before reading the buffer, and captures
+    only a step the device finished.
+    """
+    total = layout.nbytes + sum(_aligned(len(b)) for b in extras.values())
+    if buffer is None or buffer.numel() < total:
+        pinned = any(s.is_cuda for s in layout.sources)
+        buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
+    for chunk, source in zip(layout.chunks, layout.sources, strict=True):
+        buffer[chunk.start:chunk.start + chunk.length].copy_(source, non_blocking=True)
+    chunks = list(layout.chunks)
+    start = layout.nbytes
+    for fqn in sorted(extras):
+        data = extras[fqn]
+        if data:
+            buffer[start:start + len(data)].copy_(torch.frombuffer(bytearray(data),
+                                                                   dtype=torch.uint8))
+        chunks.append(Chunk(key=(fqn, ()), start=start, length=len(data), sha256=""))
+        start = _aligned(start + len(data))
     return ShardSet(step=step, round=round_, world_size=world_size, owner=owner,
-                    chunks=tuple(chunks), tensors=tensors, mappings=mappings, buffer=buffer)
+                    chunks=tuple(chunks), tensors=layout.tensors, mappings=layout.mappings,
+                    buffer=buffer[:total])
 
 
 def with_digests(shards: ShardSet) -> ShardSet:
@@ -321,6 +364,6 @@ def metadata(sets: Sequence[ShardSet], chosen: Iterable[ChunkKey] | None = None)
     return Metadata(state_dict_metadata=state_md, planner_data=dict(mappings))
 
 
-__all__ = ["Chunk", "ShardSet", "ShardSetDamagedError", "TensorInfo", "capture",
-           "header_of", "list_sets", "metadata", "parse_set_name", "read_set",
+__all__ = ["Chunk", "Layout", "ShardSet", "ShardSetDamagedError", "TensorInfo", "capture",
+           "header_of", "list_sets", "metadata", "parse_set_name", "plan_layout", "read_set",
            "set_file_name", "verify", "with_digests", "write_set"]
