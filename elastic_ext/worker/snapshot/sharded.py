@@ -30,7 +30,9 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
+import socket
 import time
 import warnings
 from collections.abc import Mapping
@@ -49,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from elastic_ext.procinfo import pid_alive
 from elastic_ext.worker import control
 from elastic_ext.worker.snapshot.errors import SnapshotError, SnapshotMismatchError
 from elastic_ext.worker.snapshot.peer_reader import PeerReader
@@ -75,6 +78,7 @@ REST_KEY = "__rest__"
 """Everything but the model and its optimizers (schedulers, the data position), as one
 opaque item: the same on every rank."""
 DURABLE_PREFIX = "dcp-"
+_TMP_RE = re.compile(r"^\.shards-\d{10}-w\d+-r\d+\.bin\.(.+)\.(\d+)\.tmp$")  # write_set's
 _LEN = 8
 
 
@@ -331,6 +335,8 @@ class ShardedState:
         if self.local_dir is None:
             return []
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if local_rank == 0:
+            sweep_dead_writers(self.local_dir)
         found = []
         for i, (_, _, _, path) in enumerate(list_sets(self.local_dir)):
             if i % self._per_node != local_rank:
@@ -404,6 +410,22 @@ class ShardedState:
         for old, _, _, path in list_sets(self.local_dir):
             if old < step:
                 path.unlink(missing_ok=True)
+
+
+def sweep_dead_writers(directory: Path) -> None:
+    """Remove the temporary files of this host's writers that died mid-write (a worker
+    killed while keeping): nobody else would, and they hold node memory."""
+    host = socket.gethostname()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        match = _TMP_RE.match(name)
+        if match and match[1] == host and not pid_alive(int(match[2])):
+            logger.info("removing %s, left by a worker that died keeping its shards",
+                        directory / name)
+            (directory / name).unlink(missing_ok=True)
 
 
 def _header_bytes(shards: ShardSet) -> torch.Tensor:
