@@ -433,7 +433,7 @@ class ElasticLoop:
                 and self._step % s.snapshot_every == 0
                 and (s.total_steps is None or self._step < s.total_steps)):
             if sharded is not None:
-                self._commit_now()
+                self._snapshot_sharded(sharded)
                 return mean
             try:  # collective (every rank's RNG states go to rank 0): a peer may die in it
                 future = self._snapshots.commit(self._step, self._state())
@@ -561,6 +561,11 @@ class ElasticLoop:
             return
         self._closed = True
         self._snapshots.close()
+        if self._sharded is not None:
+            try:
+                self._sharded.wait_for_save()
+            except Exception as exc:  # reported by its callback already
+                logger.debug("the last background snapshot failed: %s", exc)
         self._events.close()
         if sys.excepthook == self._excepthook:
             sys.excepthook = self._previous_hook
@@ -612,6 +617,24 @@ class ElasticLoop:
         if info is not None:
             self._emit("snapshot", self._step, blocking_s=info.blocking_s,
                        write_s=info.write_s, bytes=info.size)
+
+    def _snapshot_sharded(self, sharded: ShardedState) -> None:
+        """A background DCP snapshot of this step (collective: a peer may die in it)."""
+        started, step = time.perf_counter(), self._step
+        try:
+            future = sharded.save_in_background(step, self._rest())
+        except Exception as exc:
+            self._fail(exc)
+        blocking = time.perf_counter() - started
+
+        def report(done: Future[Any]) -> None:  # in DCP's writer thread
+            if done.exception() is not None:
+                logger.error("snapshot of step %d failed, training goes on: %s", step,
+                             done.exception())
+                return
+            self._emit("snapshot", step, blocking_s=blocking,
+                       write_s=time.perf_counter() - started, bytes=None)
+        future.add_done_callback(report)
 
     def _report_snapshot(self, step: int, future: Future[SnapshotInfo | None]) -> None:
         """In the writer thread, once a background snapshot is durable (or failed)."""

@@ -36,6 +36,7 @@ import socket
 import time
 import warnings
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,6 +161,11 @@ class ShardedState:
             self._keeps_for = [r for r, k in enumerate(ring) if k.rank == self._rank]
         if snapshot_dir is not None and self._rank == 0:
             snapshot_dir.mkdir(parents=True, exist_ok=True)
+        # A group of its own for DCP's background save, as torch advises: its collectives
+        # run beside the training's, which may be NCCL's (collective: every rank builds it).
+        self._save_group = (dist.new_group(backend="gloo") if snapshot_dir is not None
+                            else None)
+        self._saving: Future[Any] | None = None
 
     # -- the state as DCP sees it
     def dcp_state(self) -> dict[str, Any]:
@@ -288,14 +294,40 @@ class ShardedState:
 
     # -- durable snapshots
     def save(self, step: int, rest: Mapping[str, Any]) -> float:
-        """A durable DCP snapshot of ``step`` (collective); the seconds it took."""
-        assert self.snapshot_dir is not None
+        """A durable DCP snapshot of ``step``, done when this returns (collective); the
+        seconds it took."""
         started = time.perf_counter()
-        state = {**self.dcp_state(), REST_KEY: self._rest_blob(rest)}
-        dcp.save(state, checkpoint_id=self.snapshot_dir / durable_name(step))
-        if self._rank == 0:
-            self._drop_old_snapshots()
+        self.save_in_background(step, rest).result()
         return time.perf_counter() - started
+
+    def save_in_background(self, step: int, rest: Mapping[str, Any]) -> Future[Any]:
+        """Stage a DCP snapshot of ``step`` in host memory and write it in the background
+        (``dcp.async_save`` on a gloo group of its own; collective). The previous one is
+        waited for first. The future is done once every rank's files and the metadata are
+        written; older snapshots beyond ``keep_snapshots`` are then removed."""
+        assert self.snapshot_dir is not None
+        try:
+            self.wait_for_save()
+        except Exception as exc:  # its own callback reported it; this one may succeed
+            logger.debug("the previous snapshot failed: %s", exc)
+        state = {**self.dcp_state(), REST_KEY: self._rest_blob(rest)}
+        future = dcp.async_save(state, checkpoint_id=self.snapshot_dir / durable_name(step),
+                                process_group=self._save_group)
+        assert isinstance(future, Future)  # the default stager's answer (no staging response)
+        if self._rank == 0:
+            future.add_done_callback(self._after_save)
+        self._saving = future
+        return future
+
+    def wait_for_save(self) -> None:
+        """Wait for the snapshot in flight, if any; its error is raised."""
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            saving.result()
+
+    def _after_save(self, future: Future[Any]) -> None:
+        if future.exception() is None:
+            self._drop_old_snapshots()
 
     def _drop_old_snapshots(self) -> None:
         assert self.snapshot_dir is not None
