@@ -18,10 +18,11 @@ optimizer state are DTensors spread over the ranks:
   the ranks that hold them. A durable snapshot (DCP format, ``dcp-<step>`` in the
   snapshot directory, which every rank must be able to read) wins when it is newer.
 
-GPU (NCCL): a set is captured with blocking device-to-host copies of this rank's shards
-(no copy of the whole state on the device); the chunks travel through the GPU one piece
-at a time (``shard_transfer``). Gloo moves host memory directly. Neither has run on a
-GPU here.
+GPU (NCCL): a set is captured by copying this rank's shards into pinned host memory on
+the training stream, waited for before the buffer is read (no copy of the whole state
+on the device; the step's update is finished when the copy is); the chunks travel
+through the GPU one piece at a time (``shard_transfer``). Gloo moves host memory
+directly. The GPU path has not run here.
 """
 
 from __future__ import annotations
