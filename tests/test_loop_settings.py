@@ -19,7 +19,8 @@ def test_the_fields_say_what_they_are() -> None:
     names = [f.name for f in dataclasses.fields(LoopSettings)]
     assert names == ["snapshot_dir", "snapshot_every", "keep_snapshots", "total_steps",
                      "device", "collective_backend", "collective_timeout_s", "stop_grace_s",
-                     "preempt_grace_s", "hold_timeout_s", "events_file", "shard_copy_every"]
+                     "preempt_grace_s", "hold_timeout_s", "events_file", "shard_copy_every",
+                     "shard_copy_in_background"]
 
 
 @pytest.mark.parametrize(("field", "value"), [

@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --shard fsdp, copy each rank's shards to the next node every K "
                         "steps (up to K-1 steps trained again after a node's loss; 0: no "
                         "copies, a node's loss falls back to the snapshot; default 1)")
+    p.add_argument("--shard-copy-background", action="store_true",
+                   help="with --shard fsdp, send the copy on a thread of its own: the step "
+                        "waits only for the capture, but a node that dies during a copy costs "
+                        "that step, trained again (default: the step waits for its copy)")
     p.add_argument("--log-level", default=os.environ.get("TRAINER_LOG_LEVEL", "INFO"))
     return p
 
@@ -93,7 +97,8 @@ def parse_settings(argv: Sequence[str] | None = None) -> tuple[TrainSettings, st
         stop_grace=args.stop_grace, preempt_grace=args.preempt_grace,
         hold_timeout=args.hold_timeout, record_samples=args.record_samples,
         progress_every=args.progress_every, device=args.device, backend=args.backend,
-        shard=args.shard, shard_copy_every=args.shard_copy_every)
+        shard=args.shard, shard_copy_every=args.shard_copy_every,
+        shard_copy_background=args.shard_copy_background)
     return settings, args.log_level
 
 

@@ -57,6 +57,7 @@ class TrainSettings:
     backend: BackendChoice = "auto"
     shard: str = "none"
     shard_copy_every: int = 1
+    shard_copy_background: bool = False
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,8 @@ class Trainer:
                 total_steps=s.steps, device=s.device, collective_backend=s.backend,
                 collective_timeout_s=s.collective_timeout, stop_grace_s=s.stop_grace,
                 preempt_grace_s=s.preempt_grace, hold_timeout_s=s.hold_timeout,
-                events_file=s.metrics, shard_copy_every=s.shard_copy_every),
+                events_file=s.metrics, shard_copy_every=s.shard_copy_every,
+                shard_copy_in_background=s.shard_copy_background),
                 on_event=self._on_event, main_at=main_at)
         except ValueError as exc:
             raise SystemExit(f"trainer: {exc}") from None

@@ -132,6 +132,11 @@ class LoopSettings:
     a node's loss costs no step; K: up to K-1 steps are trained again; 0: no copies (a
     node's loss falls back to the durable snapshot). HSDP needs none: its replica on
     another node holds the same shards."""
+    shard_copy_in_background: bool = False
+    """Send that copy on a thread of its own: the training thread only captures the
+    shards into host memory (and waits for the previous copy), but a node that dies while
+    its last copy is in flight costs that step, trained again. False: the step counts
+    only once its copy arrived (0 steps trained again)."""
     def __post_init__(self) -> None:
         """Check the timeouts against each other, and the counts."""
         self._check_timeouts()
@@ -351,6 +356,7 @@ class ElasticLoop:
         st = self._settings
         self._sharded = sharded_state_for(self._objects, snapshot_dir=st.snapshot_dir,
                                           copy_every=st.shard_copy_every,
+                                          copy_in_background=st.shard_copy_in_background,
                                           keep_snapshots=st.keep_snapshots)
         if self._sharded is not None:
             restored = self._restored = as_restored(self._sharded.restore(), started)

@@ -41,7 +41,8 @@ def round_mesh(device_type: str, world_size: int, *, hsdp: bool) -> DeviceMesh:
 
 
 def sharded_state_for(objects: Mapping[str, Stateful], *, snapshot_dir: Any,
-                      copy_every: int, keep_snapshots: int) -> ShardedState | None:
+                      copy_every: int, keep_snapshots: int,
+                      copy_in_background: bool = False) -> ShardedState | None:
     """The sharded keeper for what a loop named in ``restore``, or None for a replicated
     (DDP) state.
 
@@ -66,7 +67,7 @@ def sharded_state_for(objects: Mapping[str, Stateful], *, snapshot_dir: Any,
     return ShardedState(model, optimizers, others, model_name=name,
                         local_dir=local.directory if local is not None else None,
                         snapshot_dir=snapshot_dir, copy_every=copy_every,
-                        keep_snapshots=keep_snapshots)
+                        keep_snapshots=keep_snapshots, copy_in_background=copy_in_background)
 
 
 def as_restored(found: ShardRestored | None, started: float) -> Restored | None:

@@ -10,7 +10,8 @@ optimizer state are DTensors spread over the ranks:
 * **copy** (every ``copy_every`` steps, before the step boundary's agreement): without
   replicas across nodes, each rank sends its set to its keeper on the next node
   (``redundancy.keeper``, a buddy ring) and receives the set of the rank it keeps for,
-  one flat buffer each way; the last two received are held (double-buffered). Under
+  one flat buffer each way; the last two received are held (double-buffered), and the
+  copy is waited for or runs in the background (``buddy``). Under
   HSDP the replica twin on another node already holds the same chunks: nothing is sent.
 * **restore** (collective, at any world size): every rank reports the sets its node
   keeps; ``shard_agreement`` picks the newest step they cover whole; DCP's planner cuts
@@ -28,7 +29,6 @@ directly. The GPU path has not run here.
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import re
@@ -55,11 +55,12 @@ from torch.distributed.tensor import DTensor
 
 from elastic_ext.procinfo import pid_alive
 from elastic_ext.worker import control
+from elastic_ext.worker.snapshot.buddy import BuddyCopies
 from elastic_ext.worker.snapshot.errors import SnapshotError, SnapshotMismatchError
 from elastic_ext.worker.snapshot.peer_reader import PeerReader
-from elastic_ext.worker.snapshot.redundancy import ChunkKey, keeper, keepers
+from elastic_ext.worker.snapshot.redundancy import ChunkKey, keeper
 from elastic_ext.worker.snapshot.shard_agreement import ShardPlan, plan_shard_restore
-from elastic_ext.worker.snapshot.shard_transfer import all_gather_objects, exchange
+from elastic_ext.worker.snapshot.shard_transfer import all_gather_objects
 from elastic_ext.worker.snapshot.shards import (
     Layout,
     ShardSet,
@@ -133,33 +134,33 @@ class ShardedState:
     ``others`` (schedulers, anything ``Stateful``) travel whole, as does ``rest`` (the
     data position): they are the same on every rank. ``local_dir`` is the node-memory
     directory of this worker's agent (None: nothing is kept or copied); ``copy_every``
-    0 turns the buddy copy off (a node loss then falls back to the durable snapshot).
+    0 turns the buddy copy off (a node loss then falls back to the durable snapshot);
+    ``copy_in_background`` trades a step trained again (when a node dies while the copy
+    is in flight) for the copy's time on the training thread.
     """
 
     def __init__(self, model: torch.nn.Module, optimizers: Mapping[str, torch.optim.Optimizer],
                  others: Mapping[str, Any], *, model_name: str, local_dir: Path | None,
-                 snapshot_dir: Path | None, copy_every: int = 1, keep_snapshots: int = 3
-                 ) -> None:
+                 snapshot_dir: Path | None, copy_every: int = 1, keep_snapshots: int = 3,
+                 copy_in_background: bool = False) -> None:
         self.model, self.model_name = model, model_name
         self.optimizers, self.others = dict(optimizers), dict(others)
         self.local_dir, self.snapshot_dir = local_dir, snapshot_dir
         self.copy_every, self.keep_snapshots = copy_every, keep_snapshots
+        self.copy_in_background = copy_in_background
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
         self._per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self._replicas = replicas_of(model)
-        self._sent: list[ShardSet] = []      # the last two sets this rank sent its keeper
-        self._held: dict[int, list[ShardSet]] = {}  # the last two received, by owner
-        self._buffers: list[torch.Tensor | None] = [None, None]
         self._layout: Layout | None = None
         self._layout_of: tuple[int, ...] = ()
         self._group_params: dict[str, list[tuple[str, ...]]] = {}
         nodes = self._world // max(1, self._per_node)
-        self._ring = (self._replicas == 1 and nodes >= 2 and self._world % self._per_node == 0
-                      and self.local_dir is not None and copy_every > 0)
-        if self._ring:
-            ring = keepers(self._world, self._per_node)
-            self._keeper = ring[self._rank].rank
-            self._keeps_for = [r for r, k in enumerate(ring) if k.rank == self._rank]
+        ring = (self._replicas == 1 and nodes >= 2 and self._world % self._per_node == 0
+                and self.local_dir is not None and copy_every > 0)
+        # Its own gloo group, so that the copy runs beside training (collective: every
+        # rank decides the same and builds it).
+        self._buddy = (BuddyCopies(self._rank, self._world, self._per_node,
+                                   dist.new_group(backend="gloo")) if ring else None)
         if snapshot_dir is not None and self._rank == 0:
             snapshot_dir.mkdir(parents=True, exist_ok=True)
         # A group of its own for DCP's background save, as torch advises: its collectives
@@ -227,11 +228,12 @@ class ShardedState:
         buffer = None
         if slot is not None:
             need = layout.nbytes + len(extras[REST_KEY]) + 64
-            buffer = self._buffers[slot]
+            assert self._buddy is not None
+            buffer = self._buddy.buffers[slot]
             if buffer is None or buffer.numel() < need:
                 pinned = any(t.is_cuda for t in layout.sources)
-                buffer = self._buffers[slot] = torch.empty(need + 4096, dtype=torch.uint8,
-                                                           pin_memory=pinned)
+                buffer = self._buddy.buffers[slot] = torch.empty(
+                    need + 4096, dtype=torch.uint8, pin_memory=pinned)
         shards = capture(layout, extras, step=step, round_=control.current_round(),
                          world_size=self._world, owner=self._rank, buffer=buffer)
         if any(t.is_cuda for t in layout.sources):
@@ -240,30 +242,20 @@ class ShardedState:
 
     # -- the buddy copy
     def copy_due(self, step: int) -> bool:
-        return self._ring and step % self.copy_every == 0
+        return self._buddy is not None and step % self.copy_every == 0
 
     def copy(self, step: int, rest: Mapping[str, Any]) -> float:
-        """Send this rank's set of completed ``step`` to its keeper and receive the sets it
-        keeps (collective over the ring); the seconds it blocked."""
+        """Capture this rank's set of completed ``step`` and send it to its keeper
+        (``buddy``: waited for, or with ``copy_in_background`` on a thread of its own);
+        the seconds the training thread was held.
+
+        Raises:
+            Exception: this copy or the previous one failed (a peer died or hung).
+        """
+        assert self._buddy is not None
         started = time.perf_counter()
-        newest = self._sent[-1].buffer.data_ptr() if self._sent else None
-        first = self._buffers[0]
-        slot = 1 if first is not None and first.data_ptr() == newest else 0
-        # The set about to be overwritten is no longer a copy this rank can keep.
-        base = self._buffers[slot]
-        self._sent = [s for s in self._sent
-                      if base is None or s.buffer.data_ptr() != base.data_ptr()]
-        shards = self._capture(step, rest, slot)
-        head = _header_bytes(shards)
-        sizes = exchange({self._keeper: [torch.tensor([head.numel(), shards.nbytes],
-                                                      dtype=torch.int64).view(torch.uint8)]},
-                         {r: [2 * _LEN] for r in self._keeps_for})
-        lengths = {r: [int(v) for v in sizes[r][0].view(torch.int64)] for r in self._keeps_for}
-        received = exchange({self._keeper: [head, shards.buffer]}, lengths)
-        self._sent = [*self._sent[-1:], shards]
-        for owner in self._keeps_for:
-            kept = [h for h in self._held.get(owner, []) if h.step != step][-1:]
-            self._held[owner] = [*kept, _unpack(*received[owner])]
+        slot = self._buddy.next_buffer()
+        self._buddy.start(self._capture(step, rest, slot), background=self.copy_in_background)
         return time.perf_counter() - started
 
     # -- keeping in node memory
@@ -276,9 +268,9 @@ class ShardedState:
         into node memory; ``step`` if this rank's own set was written, else None."""
         if self.local_dir is None:
             return None
+        copies = self._buddy.kept() if self._buddy is not None else []
         sets = [*([own] if own is not None else []),
-                *(s for s in self._sent if own is None or s.step != own.step),
-                *(h for held in self._held.values() for h in held)]
+                *(c for c in copies if own is None or (c.owner, c.step) != (own.owner, own.step))]
         written = None
         for shards in sets:
             try:
@@ -459,14 +451,6 @@ def sweep_dead_writers(directory: Path) -> None:
             logger.info("removing %s, left by a worker that died keeping its shards",
                         directory / name)
             (directory / name).unlink(missing_ok=True)
-
-
-def _header_bytes(shards: ShardSet) -> torch.Tensor:
-    return torch.frombuffer(bytearray(json.dumps(shards.header()).encode()), dtype=torch.uint8)
-
-
-def _unpack(head: torch.Tensor, buffer: torch.Tensor) -> ShardSet:
-    return header_of(json.loads(head.numpy().tobytes()), buffer)
 
 
 def _first_failure(exc: BaseException) -> str:
