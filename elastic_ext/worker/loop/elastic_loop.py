@@ -274,6 +274,8 @@ class ElasticLoop:
                            backend=s.collective_backend,
                            store=None if _under_launcher() else dist.HashStore())
         self._times["pg_ready_at"] = time.time()
+        logger.debug("process group ready %.3fs after main began",
+                     self._times["pg_ready_at"] - self._times["main_at"])
         self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
         self._on_event = on_event
         self._events = MetricsLog(s.events_file, enabled=self._rank == 0,

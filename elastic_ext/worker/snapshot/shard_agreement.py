@@ -100,6 +100,10 @@ def _covering(step: int, world: int, sets: list[tuple[int, int, Mapping[str, Any
         if dtype is not None:
             volume[key[0]] = volume.get(key[0], 0) + math.prod(chunk_sizes)
     short = sorted(fqn for fqn, size in sizes.items() if volume.get(fqn, 0) != math.prod(size))
+    # A non-tensor item (the param groups, the loop's position) whose every copy was
+    # refused leaves the step short as surely as a missing chunk.
+    items = {key[0] for key, (dtype, _) in shapes.items() if dtype is None}
+    short = sorted({*short, *(items - {key[0] for key in usable})})
     if short:
         owners = sorted({int(h["owner"]) for _, _, h in sets})
         missing = sorted(set(range(world)) - set(owners))

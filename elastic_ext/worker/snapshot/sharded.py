@@ -206,7 +206,7 @@ class ShardedState:
         """Where the state's tensors live now: a cached layout is valid while this holds."""
         def ptr(t: torch.Tensor) -> int:
             return (t.to_local() if isinstance(t, DTensor) else t).data_ptr()
-        ptrs = [ptr(p) for p in self.model.parameters()]
+        ptrs = [ptr(p) for p in (*self.model.parameters(), *self.model.buffers())]
         for optimizer in self.optimizers.values():
             ptrs.extend(ptr(v) for st in optimizer.state.values() for v in st.values()
                         if isinstance(v, torch.Tensor))
@@ -392,8 +392,10 @@ class ShardedState:
         origin = (f"the kept shards of step {plan.step} (world {plan.world_size}) in the "
                   "ranks' node memory")
         logger.info("restored step %d from %s", plan.step, origin)
-        return ShardRestored(step=plan.step, rest=rest, source="peer", origin=origin,
-                             bytes=reader.moved_bytes)
+        # As the replicated hand-off names it: "local" when every chunk was on this node.
+        moved = int(sum(all_gather_objects(reader.moved_bytes)))
+        return ShardRestored(step=plan.step, rest=rest, source="peer" if moved else "local",
+                             origin=origin, bytes=moved)
 
     def _load_from_disk(self, step: int) -> ShardRestored:
         assert self.snapshot_dir is not None

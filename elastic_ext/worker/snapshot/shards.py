@@ -11,8 +11,9 @@ moves it as a few large sends (torchft measured a fixed ~4.8 s of per-tensor cos
 The set also carries the DCP metadata needed to load it at any world size
 (:meth:`ShardSets.metadata` merges several ranks' sets into one checkpoint), and a
 sha256 per chunk, so copies of the same chunk held on different nodes can be compared
-before one is used. Files in node memory: ``shards-<step>-w<world>-r<rank>.bin`` (a
-JSON header, then the buffer), written to a temporary name and renamed.
+before one is used. Files in node memory: ``shards-<step>-w<world>-r<rank>.bin`` (the
+header's length, its sha256, the JSON header, then the buffer), written to a temporary
+name and renamed.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ logger = logging.getLogger("elastic_ext.worker.snapshot")  # the whole package l
 FORMAT = 1
 _NAME_RE = re.compile(r"^shards-(\d{10})-w(\d+)-r(\d+)\.bin$")
 _HEADER_LEN = struct.Struct("<Q")
+_SEAL = 64  # the header's sha256, in hex, before it
 
 
 class ShardSetDamagedError(SnapshotError):
@@ -157,12 +159,12 @@ def header_of(data: Mapping[str, Any], buffer: torch.Tensor) -> ShardSet:
                          chunks=chunks, tensors=tensors,
                          mappings={k: tuple(v) for k, v in data["mappings"].items()},
                          buffer=buffer)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ShardSetDamagedError(f"a kept shard set's header is malformed: {exc}") from exc
-    if int(data["nbytes"]) != buffer.numel() or any(
-            c.start + c.length > buffer.numel() for c in chunks):
+        nbytes = int(data["nbytes"])
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise ShardSetDamagedError(f"a kept shard set's header is malformed: {exc!r}") from exc
+    if nbytes != buffer.numel() or any(c.start + c.length > buffer.numel() for c in chunks):
         raise ShardSetDamagedError(f"shard set of step {found.step} (rank {found.owner}) has "
-                                   f"{buffer.numel()} bytes, its header says {data['nbytes']}")
+                                   f"{buffer.numel()} bytes, its header says {nbytes}")
     return found
 
 
@@ -192,6 +194,7 @@ class Layout:
 
     chunks: tuple[Chunk, ...]
     sources: tuple[torch.Tensor, ...]
+    """The live tensors (detached views), read at every capture."""
     tensors: Mapping[str, TensorInfo]
     mappings: Mapping[str, tuple[str, ...]]
     nbytes: int
@@ -223,10 +226,12 @@ def plan_layout(state_dict: Mapping[str, Any]) -> Layout:
     for item in items:
         if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
             raise ValueError(f"{item.index.fqn} is not a tensor: pass it as an extra")
-        source = _host_bytes(planner.resolve_data(item))
+        data = planner.resolve_data(item)
+        assert isinstance(data, torch.Tensor)
+        source = data.detach()
         dtype_name = str(item.tensor_data.properties.dtype)
         tensors[item.index.fqn] = TensorInfo(dtype_name, tuple(item.tensor_data.size))
-        n = int(source.numel())
+        n = int(source.numel()) * source.element_size()
         chunks.append(Chunk(key=(item.index.fqn, tuple(item.index.offset or ())), start=start,
                             length=n, sha256="", dtype=dtype_name,
                             sizes=tuple(item.tensor_data.chunk.sizes)))
@@ -252,7 +257,10 @@ def capture(layout: Layout, extras: Mapping[str, bytes], *, step: int, round_: i
         pinned = any(s.is_cuda for s in layout.sources)
         buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
     for chunk, source in zip(layout.chunks, layout.sources, strict=True):
-        buffer[chunk.start:chunk.start + chunk.length].copy_(source, non_blocking=True)
+        # Read now, not when planned: a non-contiguous tensor is made contiguous each time.
+        buffer[chunk.start:chunk.start + chunk.length].copy_(_host_bytes(source),
+                                                             non_blocking=True)
+        buffer[chunk.start + chunk.length:_aligned(chunk.start + chunk.length)].zero_()
     chunks = list(layout.chunks)
     start = layout.nbytes
     for fqn in sorted(extras):
@@ -261,6 +269,7 @@ def capture(layout: Layout, extras: Mapping[str, bytes], *, step: int, round_: i
             buffer[start:start + len(data)].copy_(torch.frombuffer(bytearray(data),
                                                                    dtype=torch.uint8))
         chunks.append(Chunk(key=(fqn, ()), start=start, length=len(data), sha256=""))
+        buffer[start + len(data):_aligned(start + len(data))].zero_()  # no stale bytes saved
         start = _aligned(start + len(data))
     return ShardSet(step=step, round=round_, world_size=world_size, owner=owner,
                     chunks=tuple(chunks), tensors=layout.tensors, mappings=layout.mappings,
@@ -288,8 +297,12 @@ def verify(shards: ShardSet, origin: str) -> None:
 
 
 def write_set(directory: Path, shards: ShardSet) -> Path:
-    """Write ``shards`` (digests filled in) to ``directory`` atomically; its path."""
-    header = json.dumps(shards.header()).encode()
+    """Write ``shards`` to ``directory`` atomically, with each chunk's sha256 and one of
+    the header; its path."""
+    if any(not c.sha256 for c in shards.chunks):
+        shards = with_digests(shards)
+    text = json.dumps(shards.header()).encode()
+    header = hashlib.sha256(text).hexdigest().encode() + text  # the header's own seal
     path = directory / shards.file_name()
     tmp = directory / f".{shards.file_name()}.{socket.gethostname()}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
@@ -310,14 +323,27 @@ def read_set(path: Path) -> ShardSet:
     try:
         raw = path.read_bytes()
         (length,) = _HEADER_LEN.unpack_from(raw)
-        data = json.loads(raw[_HEADER_LEN.size:_HEADER_LEN.size + length])
+        sealed = raw[_HEADER_LEN.size:_HEADER_LEN.size + length]
+        seal, text = sealed[:_SEAL], sealed[_SEAL:]
+        if len(sealed) != length or hashlib.sha256(text).hexdigest().encode() != seal:
+            raise ValueError("its header fails its sha256")
+        data = json.loads(text)
         body = bytearray(raw[_HEADER_LEN.size + length:])
-    except (OSError, struct.error, ValueError) as exc:
-        raise ShardSetDamagedError(f"{path} cannot be read as a kept shard set: {exc}") from exc
+    except (OSError, struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ShardSetDamagedError(f"{path} cannot be read as a kept shard set: {exc}; it is "
+                                   "not used") from exc
     empty = torch.empty(0, dtype=torch.uint8)
     buffer = torch.frombuffer(body, dtype=torch.uint8) if body else empty
-    shards = header_of(data, buffer)
-    verify(shards, str(path))
+    try:
+        shards = header_of(data, buffer)
+        verify(shards, str(path))
+    except ShardSetDamagedError as exc:
+        message = str(exc) if str(path) in str(exc) else f"{path}: {exc}"
+        raise ShardSetDamagedError(message) from exc
+    if parse_set_name(path.name) != (shards.step, shards.world_size, shards.owner):
+        raise ShardSetDamagedError(f"{path} holds the set of step {shards.step}, world "
+                                   f"{shards.world_size}, rank {shards.owner}: its name says "
+                                   "otherwise; it is not used")
     return shards
 
 
