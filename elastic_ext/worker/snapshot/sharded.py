@@ -57,6 +57,7 @@ from elastic_ext.procinfo import pid_alive
 from elastic_ext.worker import control
 from elastic_ext.worker.snapshot.buddy import BuddyCopies
 from elastic_ext.worker.snapshot.errors import SnapshotError, SnapshotMismatchError
+from elastic_ext.worker.snapshot.optimizer_template import load_into, state_template
 from elastic_ext.worker.snapshot.peer_reader import PeerReader
 from elastic_ext.worker.snapshot.redundancy import ChunkKey, keeper
 from elastic_ext.worker.snapshot.shard_agreement import ShardPlan, plan_shard_restore
@@ -407,8 +408,15 @@ class ShardedState:
     def _load(self, reader: Any, origin: str, no_dist: bool = True) -> dict[str, Any]:
         """Load through DCP: from peers' memory the tensors only (``no_dist``: the param
         groups travel in the rest), from disk DCP's usual layout."""
-        full = self.dcp_state()
-        state = {**(self._tensors(full) if no_dist else full), REST_KEY: b""}
+        templates = ({name: state_template(self.model, optimizer, name, reader.metadata)
+                      for name, optimizer in self.optimizers.items()} if no_dist else {})
+        quick = bool(templates) and all(t is not None for t in templates.values())
+        if quick:  # no optimizer step to create what DCP loads into
+            state: dict[str, Any] = {self.model_name: get_model_state_dict(self.model),
+                                     **templates, REST_KEY: b""}
+        else:
+            full = self.dcp_state()
+            state = {**(self._tensors(full) if no_dist else full), REST_KEY: b""}
         try:
             with warnings.catch_warnings():  # no_dist is deliberate: the reader is collective
                 warnings.filterwarnings("ignore", message=".*assuming the intent is to load")
@@ -424,6 +432,9 @@ class ShardedState:
         set_model_state_dict(self.model, state[self.model_name])
         for name, optimizer in self.optimizers.items():
             loaded = dict(state[name])
+            if quick:
+                load_into(optimizer, self.model, loaded, packed["param_groups"][name])
+                continue
             if "param_groups" not in loaded:
                 loaded["param_groups"] = packed["param_groups"][name]
             set_optimizer_state_dict(self.model, optimizer, loaded)
