@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "after a peer failure, before exiting non-zero (default 60)")
     p.add_argument("--record-samples", type=Path, default=None,
                    help="test only: every rank appends the sample ids of every step here")
+    p.add_argument("--stop-at", type=int, default=None, metavar="N",
+                   help="test only: end after step N as if it were the last (a durable "
+                        "snapshot, the done event), keeping the schedule of --steps: one "
+                        "segment of a run replayed at another world size")
     p.add_argument("--progress-every", type=float, default=10.0, metavar="SECONDS",
                    help="global rank 0 prints a progress line to stdout every SECONDS, and at "
                         "every worker generation's start and at the end; a live bar instead on "
@@ -96,6 +100,7 @@ def parse_settings(argv: Sequence[str] | None = None) -> tuple[TrainSettings, st
         lr=args.lr, warmup_steps=args.warmup_steps, collective_timeout=args.collective_timeout,
         stop_grace=args.stop_grace, preempt_grace=args.preempt_grace,
         hold_timeout=args.hold_timeout, record_samples=args.record_samples,
+        stop_at=args.stop_at,
         progress_every=args.progress_every, device=args.device, backend=args.backend,
         shard=args.shard, shard_copy_every=args.shard_copy_every,
         shard_copy_background=args.shard_copy_background)

@@ -52,6 +52,7 @@ class TrainSettings:
     preempt_grace: float = 30.0
     hold_timeout: float = 60.0
     record_samples: Path | None = None
+    stop_at: int | None = None
     progress_every: float = 10.0
     device: DeviceChoice = "auto"
     backend: BackendChoice = "auto"
@@ -238,7 +239,8 @@ class Trainer:
             except Exception as exc:
                 self.progress.close()
                 loop.framework.fail(exc)  # re-raises what is not a peer's fault
-        for mine in loop.batches(s.dataset_size, s.global_batch_size, seed=s.seed):
+        last = s.steps if s.stop_at is None else min(s.stop_at, s.steps)
+        for mine in loop.batches(s.dataset_size, s.global_batch_size, seed=s.seed, steps=last):
             try:
                 loss_sum = train_step(ddp, self.optimizer, self.scheduler, self.task, mine,
                                       s.global_batch_size, self.world_size, self.device,
