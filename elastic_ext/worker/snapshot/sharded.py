@@ -19,9 +19,9 @@ optimizer state are DTensors spread over the ranks:
   the ranks that hold them. A durable snapshot (DCP format, ``dcp-<step>`` in the
   snapshot directory, which every rank must be able to read) wins when it is newer.
 
-GPU (NCCL): a set is captured by copying this rank's shards into pinned host memory on
-the training stream, waited for before the buffer is read (no copy of the whole state
-on the device; the step's update is finished when the copy is); the chunks travel
+GPU (NCCL): a set is captured by copying this rank's shards into pinned host memory on a
+side stream that waits for the training stream's update, and the host waits for that
+copy before the buffer is read (no copy of the whole state on the device); the chunks travel
 through the GPU one piece at a time (``shard_transfer``). Gloo moves host memory
 directly. The GPU path has not run here.
 """
@@ -57,6 +57,7 @@ from elastic_ext.procinfo import pid_alive
 from elastic_ext.worker import control
 from elastic_ext.worker.snapshot.buddy import BuddyCopies
 from elastic_ext.worker.snapshot.errors import SnapshotError, SnapshotMismatchError
+from elastic_ext.worker.snapshot.hook import KEEP_COPY_TIMEOUT_S
 from elastic_ext.worker.snapshot.optimizer_template import load_into, state_template
 from elastic_ext.worker.snapshot.peer_reader import PeerReader
 from elastic_ext.worker.snapshot.redundancy import ChunkKey, keeper
@@ -169,6 +170,7 @@ class ShardedState:
         self._save_group = (dist.new_group(backend="gloo") if snapshot_dir is not None
                             else None)
         self._saving: Future[Any] | None = None
+        self._copy_stream: torch.cuda.Stream | None = None
 
     # -- the state as DCP sees it
     def dcp_state(self) -> dict[str, Any]:
@@ -223,7 +225,8 @@ class ShardedState:
             self._layout_of = self._fingerprint()  # get_optimizer_state_dict may create state
         return self._layout
 
-    def _capture(self, step: int, rest: Mapping[str, Any], slot: int | None = None) -> ShardSet:
+    def _capture(self, step: int, rest: Mapping[str, Any], slot: int | None = None, *,
+                 keeping: bool = False) -> ShardSet:
         layout = self._current_layout()
         extras = {REST_KEY: self._rest_blob(rest)}
         buffer = None
@@ -235,10 +238,31 @@ class ShardedState:
                 pinned = any(t.is_cuda for t in layout.sources)
                 buffer = self._buddy.buffers[slot] = torch.empty(
                     need + 4096, dtype=torch.uint8, pin_memory=pinned)
-        shards = capture(layout, extras, step=step, round_=control.current_round(),
-                         world_size=self._world, owner=self._rank, buffer=buffer)
-        if any(t.is_cuda for t in layout.sources):
-            torch.cuda.current_stream().synchronize()  # the copies landed before it is read
+        if not any(t.is_cuda for t in layout.sources):
+            return capture(layout, extras, step=step, round_=control.current_round(),
+                           world_size=self._world, owner=self._rank, buffer=buffer)
+        # On a GPU: a side stream that starts once the training stream's queued work (the
+        # update) is done, so the copy never waits behind the next step's kernels and the
+        # training stream never waits for the copy; the host waits for the copy alone.
+        # A keep does not wait for the training stream (a kernel may hang there): HeldStep
+        # decides afterwards whether an update ran under the copy, and the copy has a time
+        # limit.
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        if not keeping:
+            self._copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._copy_stream):
+            shards = capture(layout, extras, step=step, round_=control.current_round(),
+                             world_size=self._world, owner=self._rank, buffer=buffer)
+            done = torch.cuda.Event()
+            done.record()
+        deadline = time.monotonic() + KEEP_COPY_TIMEOUT_S
+        while keeping and not done.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the device did not copy the shards to host memory "
+                                   f"within {KEEP_COPY_TIMEOUT_S:.1f}s")
+            time.sleep(0.001)
+        done.synchronize()
         return shards
 
     # -- the buddy copy
@@ -260,9 +284,14 @@ class ShardedState:
         return time.perf_counter() - started
 
     # -- keeping in node memory
-    def stage(self, step: int, rest: Mapping[str, Any]) -> ShardSet:
-        """This rank's set of held ``step``, in host memory (the keep's first half)."""
-        return self._capture(step, rest)
+    def stage(self, step: int, rest: Mapping[str, Any]) -> ShardSet | None:
+        """This rank's set of held ``step``, in host memory (the keep's first half); None
+        when the device did not finish the copy in time (logged: a kernel hangs?)."""
+        try:
+            return self._capture(step, rest, keeping=True)
+        except TimeoutError as exc:
+            logger.warning("not keeping this rank's shards: %s (a kernel hangs?)", exc)
+            return None
 
     def write(self, step: int, own: ShardSet | None) -> int | None:
         """Write ``own`` (from :meth:`stage`), the sets last sent and those held for others
