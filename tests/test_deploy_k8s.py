@@ -197,3 +197,25 @@ def test_the_trainer_pod_leaves_time_to_snapshot_and_is_replaced_fast() -> None:
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["selector"] == {"batch.kubernetes.io/job-name": job["metadata"]["name"]}
     assert int(env["OMP_NUM_THREADS"]["value"]) >= 1
+
+
+def test_every_pod_runs_the_doctor_on_the_trainers_own_flags_first() -> None:
+    """The init container's preflight takes the same torchrun flags as the trainer."""
+    import argparse
+
+    from elastic_ext.ops.doctor import add_arguments
+
+    job, container, env = trainer_parts()
+    (init,) = job["spec"]["template"]["spec"]["initContainers"]
+    assert init["command"] == ["elastic-ext", "doctor"] and init["image"] == container["image"]
+    runtime = {"POD_IP": "10.1.2.3", "RUN_ID": job["metadata"]["name"]}
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, "doctor")
+    doctor = parser.parse_args([expand(a, env_of(init), runtime) for a in init["args"]])
+    torchrun = get_args_parser().parse_args(
+        [expand(a, env, runtime) for a in container["args"]])
+    for name in ("nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id",
+                 "local_addr"):
+        assert str(getattr(doctor, name)) == str(getattr(torchrun, name)), name
+    shared = [m for m in container["volumeMounts"] if m["name"] == "snapshots"]
+    assert init["volumeMounts"] == shared

@@ -233,3 +233,23 @@ def test_a_member_outlives_a_preemption_notice_and_takes_its_data_when_stopped(
     assert f"stopping on {stop.name}" in member.output()
     assert not list(scratch.iterdir()), "the member left its data behind"
     wait_until(lambda: not member.pids(), 10, 0.1, "etcd to be gone")
+
+
+def test_the_doctor_step_runs_the_doctor_on_the_same_line_and_address(stub: Path) -> None:
+    """elastic.sbatch's preflight step: the wrapper execs the doctor instead of torchrun,
+    with the same arguments and the same --local-addr."""
+    args = ["--nnodes=1:2", "--rdzv-id", "77", *TRAINER]
+    doctor = stub.with_name("doctor-stub")
+    doctor.write_text(STUB)
+    doctor.chmod(0o755)
+    run = wrapper(stub, args, **STEP, ELASTIC_EXT_NODE_STEP="doctor",
+                  ELASTIC_EXT_DOCTOR_CMD=f"{doctor} doctor")
+    assert run.code == 0 and run.ran and run.exec, run.err
+    assert run.args == ["doctor", "--local-addr=10.9.8.7", *args]
+
+
+def test_the_batch_script_runs_the_doctor_first_unless_switched_off() -> None:
+    script = WRAPPER.with_name("elastic.sbatch").read_text()
+    doctor = script.index('ELASTIC_EXT_NODE_STEP=doctor srun')
+    assert script.index('if [ "${ELASTIC_EXT_DOCTOR:-1}" != 0 ]') < doctor
+    assert doctor < script.index('srun --ntasks-per-node=1 --no-kill')  # before torchrun's step

@@ -28,7 +28,9 @@
 # Without any of those variables (not under SLURM) nothing is checked.
 #
 # Environment (all optional): ELASTIC_EXT_IFNAME, ELASTIC_EXT_LOCAL_ADDR (wins over
-# the interface), ELASTIC_EXT_TORCHRUN (default: torchrun), OMP_NUM_THREADS (kept if set).
+# the interface), ELASTIC_EXT_TORCHRUN (default: torchrun), OMP_NUM_THREADS (kept if set),
+# ELASTIC_EXT_NODE_STEP=doctor (run `elastic-ext doctor` with the same line instead of
+# torchrun; ELASTIC_EXT_DOCTOR_CMD, default "elastic-ext doctor", is what runs).
 set -euo pipefail
 
 trap '' USR2
@@ -121,6 +123,12 @@ if [ -z "${OMP_NUM_THREADS:-}" ]; then
 fi
 
 checked=${agents:+, $nnodes_given=$nnodes for $agents agents ($agents_from)}
+if [ "${ELASTIC_EXT_NODE_STEP:-torchrun}" = doctor ]; then
+  # the preflight (elastic.sbatch's first step): the same line, address and interface
+  log "doctor on local address $addr"
+  # shellcheck disable=SC2086  # ELASTIC_EXT_DOCTOR_CMD is a command and its arguments
+  exec ${ELASTIC_EXT_DOCTOR_CMD:-elastic-ext doctor} --local-addr="$addr" "$@"
+fi
 log "local address $addr, OMP_NUM_THREADS=$OMP_NUM_THREADS, restart ${SLURM_RESTART_COUNT:-0} of job" \
     "${SLURM_JOB_ID:-?}$checked"
 exec "${ELASTIC_EXT_TORCHRUN:-torchrun}" --local-addr="$addr" "$@"

@@ -1,4 +1,4 @@
-"""``elastic-ext``: operator commands (status, list, report) and the chaos harness (chaos)."""
+"""``elastic-ext``: operator commands (status, list, report, doctor) and the chaos harness."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ SUBCOMMANDS = {
     "report": ("elastic_ext.ops.report",
                "summarize a run from its metrics file: rounds, restores, steps trained twice, "
                "time not training; draw its timeline"),
+    "doctor": ("elastic_ext.ops.doctor",
+               "a preflight on every node: etcd, the run id, the peers on the workers' "
+               "network, GPUs, clocks, the snapshot directory; takes the job's torchrun line"),
     "chaos": ("elastic_ext.chaos.cli",
               "run a local job under a fault scenario and check invariants"),
 }
@@ -34,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(sub_parser, name)
         sub_parser.set_defaults(_run=module.run)
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest and not getattr(args, "_accepts_rest", False):
+        parser.error("unrecognized arguments: " + " ".join(rest))
+    args._rest = rest  # ``doctor`` takes a whole torchrun line and ignores what is not its
     try:
         code = int(args._run(args))
         sys.stdout.flush()  # a pipe closed early shows here, not at interpreter exit
