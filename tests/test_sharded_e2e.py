@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.local.job import JobSpec, LocalJob, Node, wait_for_step
 from elastic_ext.local.processes import ProcessSet, wait_until
-from tests.support.trainer_runs import _TORCHRUN, BASE_ARGS, PY, run_to_end, torchrun_cmd
+from elastic_ext.net import free_port
+from tests.support.trainer_runs import _TORCHRUN, BASE_ARGS, PY, env, run_to_end, torchrun_cmd
 from tests.test_handoff_e2e import per_step_batches, uninterrupted_batches
 
 pytestmark = pytest.mark.slow
@@ -79,22 +80,65 @@ def check_no_step_twice_and_exactly_once(tmp: Path, restores: list[dict[str, Any
     assert events(tmp, "done")[-1]["step"] == STEPS
 
 
+def launcher() -> list[str]:
+    return [str(_TORCHRUN)] if _TORCHRUN.exists() else [PY, "-m", "torch.distributed.run"]
+
+
+def run_nodes_to_end(processes: ProcessSet, name: str, nnodes: int, per_node: int,
+                     args: list[str], timeout: float) -> None:
+    """``nnodes`` stock torchrun agents of ``per_node`` ranks each, on loopback, meeting
+    over c10d (the first one hosts its store): a multi-node job on one machine. One
+    deadline for them all; fails as soon as one fails, with its log (``processes``
+    kills the rest)."""
+    endpoint = f"127.0.0.1:{free_port('127.0.0.1')}"
+    nodes = [processes.spawn(f"{name}-node{i}", [
+        *launcher(), f"--nnodes={nnodes}", f"--nproc-per-node={per_node}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={name}",
+        f"--rdzv-conf=is_host={i == 0},join_timeout={int(timeout)}",
+        "--local-addr=127.0.0.1", "--max-restarts=0", "-m", "trainer", *args], env=env())
+        for i in range(nnodes)]
+
+    def ended() -> list[int | None] | None:
+        codes = [n.popen.poll() for n in nodes]
+        done = all(c is not None for c in codes) or any(c not in (None, 0) for c in codes)
+        return codes if done else None
+    codes = wait_until(ended, timeout, what=f"{name}'s {nnodes} agents to end")
+    failed = [(n.name, c, n.output()[-4000:]) for n, c in zip(nodes, codes, strict=True)
+              if c != 0]
+    assert not failed, failed
+
+
 def replay(processes: ProcessSet, tmp: Path, segments: list[tuple[int, int | None]],
-           shard: str) -> str:
+           shard: str, per_node: int | None = None) -> str:
     """The same training without faults: each segment (world size, last step) under stock
     torchrun, the next one resharding the previous one's DCP snapshot from disk; the
-    final parameters' sha256."""
+    final parameters' sha256. One agent of every rank, or (``per_node``) world/per_node
+    agents of ``per_node`` ranks: HSDP's mesh is (nodes, LOCAL_WORLD_SIZE), so a replay
+    must have the job's nodes to reduce in its order."""
     out = tmp / "replay"
     for world, last in segments:
         args = ["--steps", str(STEPS), "--shard", shard, "--snapshot-dir", str(out / "dcp"),
                 "--metrics", str(out / "metrics.jsonl"), "--progress-every", "0"]
         if last is not None:
             args += ["--stop-at", str(last)]
-        run_to_end(processes, f"replay-{world}-{last}",
-                   torchrun_cmd(world, *BASE_ARGS, *args), timeout=120)
+        name = f"replay-{world}-{last}"
+        if per_node is None:
+            run_to_end(processes, name, torchrun_cmd(world, *BASE_ARGS, *args), timeout=120)
+        else:
+            run_nodes_to_end(processes, name, world // per_node, per_node,
+                             [*BASE_ARGS, *args], timeout=120)
     done = [e for e in read_json_lines(out / "metrics.jsonl") if e["event"] == "done"]
     assert done[-1]["step"] == STEPS
     return str(done[-1]["params_sha256"])
+
+
+def replay_segments(restores: list[dict[str, Any]], first_world: int
+                    ) -> list[tuple[int, int | None]]:
+    """(world size, last step) of each generation that the run kept: a generation ends
+    at the step the next one restored (what a fault trained after it was dropped)."""
+    worlds = [first_world, *(r["world_size"] for r in restores)]
+    ends: list[int | None] = [r["step"] for r in restores]
+    return list(zip(worlds, [*ends, None], strict=True))
 
 
 @pytest.mark.timeout(420)
@@ -105,25 +149,32 @@ def test_full_sharding_reshards_from_the_survivors_memory_without_a_snapshot_dir
     # Bit-exact against the same world sizes over the same steps without a fault: the
     # reshards from memory lose nothing, and gloo reduces in the same order at the same
     # world size (the kept step a fault trained again does not count: it was dropped).
-    worlds = [3, *(r["world_size"] for r in restores)]
-    ends: list[int | None] = [r["step"] for r in restores]
     final = events(tmp_path, "done")[-1]["params_sha256"]
-    assert replay(processes, tmp_path, list(zip(worlds, [*ends, None], strict=True)),
-                  "fsdp") == final
+    assert replay(processes, tmp_path, replay_segments(restores, 3), "fsdp") == final
 
 
-@pytest.mark.timeout(360)
-def test_hsdp_hands_off_from_the_replicas_on_the_surviving_nodes(tmp_path: Path) -> None:
+@pytest.mark.timeout(420)
+def test_hsdp_hands_off_from_the_replicas_on_the_surviving_nodes(
+        tmp_path: Path, processes: ProcessSet) -> None:
+    """Bit-exact against a fault-free replay of the same world sizes with a stock torchrun
+    agent of 2 ranks for each node the job had: the same (nodes, 2) mesh, global rank r
+    at (r // 2, r % 2) in both (torchrun numbers a node's ranks together), so each rank
+    draws the same samples, each node reduce-scatters the same gradients over the same 2
+    ranks and gloo all-reduces them over the same nodes in the same order; and a restore
+    from a twin's replica loses nothing (the replicas are bit-identical). One agent of 6
+    or 4 ranks, a (1, n) mesh, reduces in another order and ends with other bits."""
     restores = run_losses_and_a_join(tmp_path, "hsdp", 2)
     check_no_step_twice_and_exactly_once(tmp_path, restores, 2)
+    final = events(tmp_path, "done")[-1]["params_sha256"]
+    assert replay(processes, tmp_path, replay_segments(restores, 6), "hsdp",
+                  per_node=2) == final
 
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "fsdp2_loop.py"
 
 
 def run_example(processes: ProcessSet, tmp: Path, nproc: int, steps: int) -> None:
-    launcher = [str(_TORCHRUN)] if _TORCHRUN.exists() else [PY, "-m", "torch.distributed.run"]
-    cmd = [*launcher, "--standalone", f"--nproc-per-node={nproc}", str(EXAMPLE),
+    cmd = [*launcher(), "--standalone", f"--nproc-per-node={nproc}", str(EXAMPLE),
            "--steps", str(steps), "--snapshot-dir", str(tmp / "snapshots"),
            "--snapshot-every", "5", "--metrics", str(tmp / "metrics.jsonl")]
     run_to_end(processes, f"fsdp2-example-{nproc}", cmd, timeout=120)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from elastic_ext.worker.distributed import collective_device
 from elastic_ext.worker.snapshot import Restored, Stateful
 from elastic_ext.worker.snapshot.local import LocalCopies
 from elastic_ext.worker.snapshot.sharded import ShardedState, ShardRestored, is_sharded
@@ -80,3 +81,20 @@ def as_restored(found: ShardRestored | None, started: float) -> Restored | None:
 
 
 __all__ = ["as_restored", "round_mesh", "sharded_state_for"]
+
+
+def every_rank_reduced() -> None:
+    """Before a sharded update, on every rank: one all-reduce of one number, so that no rank
+    updates its shards unless every rank got through the step's gradient collectives.
+
+    A replica's state is whole by itself, a shard is not: when a peer dies inside the
+    backward's collectives, some ranks may finish them (and update) while others fail,
+    and then no step is held by every shard position (a rank at N+1 no longer holds N),
+    so the next round would go back to an older copy. With this barrier a rank that got
+    through waits here for the others, and fails with them: every survivor keeps N. The
+    split can still happen inside this all-reduce itself, a far narrower window. On gloo
+    it returns once every rank arrived; on NCCL it only queues, and ``HeldStep``'s
+    markers decide whether the update that follows counts.
+    """
+    flag = torch.zeros(1, device=collective_device())
+    torch.distributed.all_reduce(flag)
