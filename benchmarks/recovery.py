@@ -7,6 +7,9 @@ seconds from the fault to the first training step in the new world:
   dead        SIGKILL a whole node (agent and workers) that is not rank 0
   dead-rank0  SIGKILL the node that hosts group rank 0
   hung        SIGSTOP a whole node that is not rank 0
+  stuck       SIGSTOP the training worker (local rank 0) of a node that is not rank 0,
+              its agent alive: a hang only step progress shows (stock torchrun waits
+              for the collective timeout, which a stopped process never reaches)
   scale-up    start a third node while 2 of 2:3 train (from its agent reaching the
               rendezvous, i.e. its "Rendezvous'ing worker group" log line)
   notice      SIGUSR2 (a preemption notice) to the agent and workers of a node that is
@@ -56,9 +59,10 @@ from typing import Any
 
 from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.local.job import JobSpec, LocalJob, Node, wait_for_step
+from elastic_ext.local.processes import wait_until
 from elastic_ext.rendezvous.agent.events import EventKind
 
-SCENARIOS = ("dead", "dead-rank0", "hung", "scale-up", "notice", "term-rank0")
+SCENARIOS = ("dead", "dead-rank0", "hung", "stuck", "scale-up", "notice", "term-rank0")
 MODES = ("stock", "cold", "warm")
 PHASES = ("detect", "stop", "round", "spawn", "launch", "pg-init", "restore", "step")
 
@@ -137,6 +141,14 @@ def one_run(mode: str, scenario: str, workdir: Path, timeout: float,
         elif scenario == "hung":
             victim = job.other_node(job.rank0_node())
             victim.freeze()
+        elif scenario == "stuck":  # in steady training: a round's first steps get longer
+            first = wait_for_step(metrics, after=0, world_size=start_nodes, timeout=180)
+            wait_until(lambda: any(e.get("event") == "step" and e["step"] >= first["step"] + 20
+                                   for e in read_json_lines(metrics)), 60, what="20 steps")
+            victim = job.other_node(job.rank0_node())
+            pid = wait_until(victim.training_pid, 30, what="the worker to stop")
+            fault_at = time.time()
+            os.kill(pid, signal.SIGSTOP)
         elif scenario == "notice":
             victim = job.other_node(job.rank0_node())
             for pid in [victim.proc.pid, *victim.worker_pids()]:
@@ -146,16 +158,22 @@ def one_run(mode: str, scenario: str, workdir: Path, timeout: float,
             os.kill(victim.proc.pid, signal.SIGTERM)
         else:
             victim = job.add_node()
-        if scenario != "scale-up":
+        if scenario not in ("scale-up", "stuck"):
             survivors.remove(victim)
         exited: list[tuple[int, float]] = []
         watcher = threading.Thread(target=lambda: exited.append(
             (victim.proc.popen.wait(), time.time() - fault_at)), daemon=True)
         if scenario in ("notice", "term-rank0"):
             watcher.start()
-        target = 3 if scenario == "scale-up" else 2
+        target = 3 if scenario in ("scale-up", "stuck") else 2
         try:
-            event = wait_for_step(metrics, after=fault_at, world_size=target, timeout=timeout)
+            after = fault_at
+            if scenario == "stuck":  # the same world: the new round's first step
+                after = wait_until(lambda: next((e["time"] for e in read_json_lines(metrics)
+                                                 if e.get("event") == "start"
+                                                 and e["time"] > fault_at), None),
+                                   timeout, what="a new round's start")
+            event = wait_for_step(metrics, after=after, world_size=target, timeout=timeout)
         except TimeoutError:
             return Outcome(None)
 

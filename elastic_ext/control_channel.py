@@ -36,6 +36,7 @@ PEER_LOST = "lost-"
 SETUP_FAULT = "setup-"
 LEAVING = "leaving-"
 PROGRESS = "progress-"
+BEAT = "beat-"  # a worker's beacon (worker/progress.py), by local rank
 PREEMPT = "preempt"
 NOTICE = "notice"
 DOORBELL = "doorbell"  # a FIFO: a worker rings it after it recorded a notice

@@ -25,4 +25,13 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-__all__ = ["pid_alive"]
+def process_state(pid: int) -> str:
+    """``pid``'s state letter in ``/proc`` (R, S, D, T, t, Z...), "" when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+__all__ = ["pid_alive", "process_state"]

@@ -103,13 +103,13 @@ def test_an_update_split_over_two_calls_counts_like_one_and_a_fault_inside_keeps
     assert [(e["step"], e["kept"]) for e in fault] == [(2, None)], fault
 
 
-LOOP_SURFACE = ["batches", "device", "device_ids", "finish", "framework", "mesh", "rank",
-                "restore", "step", "step_done", "update", "world_size"]
+LOOP_SURFACE = ["batches", "device", "device_ids", "finish", "framework", "mesh",
+                "no_hang_check", "rank", "restore", "step", "step_done", "update", "world_size"]
 """What a training loop calls, and nothing else: a name added here is an API promise."""
 
 FRAMEWORK_SURFACE = ["abandon_update", "batch_sampler", "batch_started", "begin_update",
                      "close", "closed", "end_update", "exit_on_peer_fault", "fail",
-                     "global_ids", "held_step", "next_position", "restored",
+                     "global_ids", "held_step", "next_position", "pause_hang_check", "restored",
                      "restored_age_s", "resumed_from", "start_data", "track"]
 """``loop.framework``: what only integrations, the bundled trainer and the sampler call."""
 

@@ -113,3 +113,12 @@ def test_the_trainer_refuses_such_flags_before_it_starts_anything() -> None:
         Trainer(TrainSettings(stop_grace=40, preempt_grace=30))
     with pytest.raises(SystemExit, match="trainer: LoopSettings.hold_timeout_s=0 must be"):
         Trainer(TrainSettings(hold_timeout=0))
+
+
+def test_paths_given_as_text_are_taken_and_other_types_are_refused() -> None:
+    settings = LoopSettings(events_file="run/events.jsonl",  # type: ignore[arg-type]
+                            snapshot_dir="run/snapshots")  # type: ignore[arg-type]
+    assert settings.events_file == Path("run/events.jsonl")
+    assert settings.snapshot_dir == Path("run/snapshots")
+    with pytest.raises(TypeError, match=r"LoopSettings.events_file=3 must be a path"):
+        LoopSettings(events_file=3)  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from elastic_ext.rendezvous.protocol.hang import Beacon
 from elastic_ext.rendezvous.protocol.head import Head
 from elastic_ext.rendezvous.protocol.policy import Limits
 from elastic_ext.rendezvous.protocol.pressure import (
@@ -28,6 +29,7 @@ class Reports:
                  progress: bool = False) -> None:
         self.fault, self.setup, self.progress = fault, setup, progress
         self.reads: list[str] = []
+        self.beacon_list: list[Beacon] = []  # the workers' beats (``hang.py``)
 
     def progress_reported(self, round_: int) -> bool:
         self.reads.append("progress")
@@ -40,6 +42,9 @@ class Reports:
     def setup_fault_reported(self, round_: int) -> str | None:
         self.reads.append("setup")
         return self.setup
+
+    def beacons(self) -> list[Beacon]:
+        return self.beacon_list
 
 
 def head(closer: str = "me", **changes: object) -> Head:

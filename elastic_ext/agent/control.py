@@ -4,17 +4,20 @@ the current round and reads its workers' reports."""
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import shutil
 import signal
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
 from elastic_ext.control_channel import (
+    BEAT,
     CONTROL_DIR_ENV,
     DIR_PREFIX,
     DONE,
@@ -33,6 +36,8 @@ from elastic_ext.control_channel import (
     remove_abandoned,
     ring,
 )
+from elastic_ext.procinfo import process_state
+from elastic_ext.rendezvous.protocol.hang import Beacon
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +71,7 @@ class AgentControl:
     def publish_round(self, round_: int) -> None:
         for stale in [*self.path.glob("fault-*"), *self.path.glob(f"{PEER_LOST}*"),
                       *self.path.glob(f"{SETUP_FAULT}*"), *self.path.glob(f"{LEAVING}*"),
-                      *self.path.glob(f"{PROGRESS}*")]:
+                      *self.path.glob(f"{PROGRESS}*"), *self.path.glob(f"{BEAT}*")]:
             stale.unlink(missing_ok=True)
         atomic_write(self.path / ROUND_FILE, str(round_))
 
@@ -167,6 +172,32 @@ class AgentControl:
             return (self.path / f"{SETUP_FAULT}{round_}").read_text() or "setup fault"
         except FileNotFoundError:
             return None
+
+    def leave_the_job(self, why: str) -> None:
+        """This node leaves the job as on a preemption notice (the others train on without
+        it, or the whole job stops with a snapshot if they would be too few: ``drain.py``)."""
+        if record_notice(self.path, why) and self.on_notice is not None:
+            self.on_notice()
+
+    def beacons(self) -> list[Beacon]:
+        """What this agent's workers last beat (``worker/progress.py``), with their
+        processes' state as ``/proc`` says now; a beacon that cannot be read is skipped."""
+        out: list[Beacon] = []
+        now = time.time()
+        for path in self.path.glob(f"{BEAT}*"):
+            try:
+                doc = json.loads(path.read_text())
+                pid = int(doc["pid"])
+                out.append(Beacon(
+                    local_rank=int(path.name[len(BEAT):]), pid=pid, round=int(doc["round"]),
+                    step=int(doc["step"]), steps_in_round=int(doc["steps_in_round"]),
+                    step_s=None if doc["step_s"] is None else float(doc["step_s"]),
+                    paused=bool(doc["paused"]), waiting=bool(doc["waiting"]),
+                    where=str(doc["where"]), backend=str(doc["backend"]),
+                    silent_s=max(0.0, now - float(doc["at"])), process=process_state(pid)))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return out
 
     def close(self) -> None:
         if self._caught is not None and threading.current_thread() is threading.main_thread():

@@ -153,6 +153,10 @@ class ElasticCallback(TrainerCallback):
                 f"the Trainer starts at step {state.global_step} but elastic-ext restored "
                 f"step {self.loop.step}: resume only from ElasticCallback.resume_from(trainer)")
 
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState,
+                      control: TrainerControl, **kwargs: Any) -> None:
+        self.loop.framework.pause_hang_check(False)  # the agent times the step from here
+
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState,
                               control: TrainerControl, **kwargs: Any) -> None:
         self.loop.framework.begin_update()
@@ -164,6 +168,8 @@ class ElasticCallback(TrainerCallback):
         self._trainer_state.state = state
         self.loop.framework.end_update()
         self.loop.step_done()
+        # The Trainer's logging, evaluation and checkpoints run between steps: not a hang.
+        self.loop.framework.pause_hang_check(True)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState,
                      control: TrainerControl, **kwargs: Any) -> None:

@@ -238,6 +238,7 @@ class ElasticCallback(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:
+        self.loop.framework.pause_hang_check(False)  # the agent times the step from here
         if self._sampler is not None:
             self._sampler.started()
 
@@ -253,6 +254,8 @@ class ElasticCallback(pl.Callback):
         self.loop.framework.end_update()
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         self.loop.step_done(loss if isinstance(loss, torch.Tensor) else None)
+        # Validation, logging and checkpoints run between batches: not a hang.
+        self.loop.framework.pause_hang_check(True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.loop.finish()

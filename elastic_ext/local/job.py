@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -86,6 +87,21 @@ class Node:
         agent = self.proc.pid
         return [pid for pid in self.proc.pids()
                 if pid != agent and "RANK" in environ_of(pid) and _alive(pid)]
+
+    def training_pid(self) -> int | None:
+        """The pid of one process that trains (local rank 0's): under an etcd-ext agent as
+        its beacon names it (with warm starts the agent's child only relays signals to a
+        worker forked apart), else the agent's worker itself."""
+        pids = self.worker_pids()
+        for pid in pids:
+            env = environ_of(pid)
+            control = env.get("ELASTIC_EXT_CONTROL_DIR")
+            if control and env.get("LOCAL_RANK") == "0":
+                try:
+                    return int(json.loads((Path(control) / "beat-0").read_text())["pid"])
+                except (OSError, ValueError, KeyError):
+                    return None
+        return pids[0] if pids else None
 
     def events(self, kind: EventKind | None = None) -> list[dict[str, Any]]:
         """The agent's rendezvous events so far (of ``kind``), oldest first."""

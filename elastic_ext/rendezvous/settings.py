@@ -1,6 +1,6 @@
 """``--rdzv-conf`` and ``--rdzv-endpoint`` parsed into frozen settings, or a clear error.
 
-Every accepted key is listed in ``CONF_KEYS``; the README's configuration table
+Every accepted key is listed in ``CONF_KEYS`` (``conf_keys.py``); the README's configuration table
 documents the same keys, and marks those torch's own backends share (``torch_conf``).
 Parsing is pure (one deprecation warning aside) so it can be tested without a store.
 """
@@ -16,73 +16,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic_ext.rendezvous.conf_keys import CONF_KEYS, DEFAULT_PASSWORD_ENV, RENAMED
 from elastic_ext.rendezvous.errors import ConfigError
+from elastic_ext.rendezvous.protocol.hang import HangRules
 from elastic_ext.rendezvous.torch_conf import ALIASES, TORCH_ONLY
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_ETCD_PORT = 2379
 DEFAULT_C10D_PORT = 29400
-DEFAULT_PASSWORD_ENV = "ELASTIC_EXT_ETCD_PASSWORD"
 DEFAULT_INTERVAL_S = {"etcd": 1.0, "c10d": 0.5}
 """``heartbeat_interval`` by store: an etcd agent beats once a second (a request each, the
 idle load of a job: issue 27), and learns of a death from a watch of the verdict, not at its
 next beat; the embedded store has no watches, so its agents beat and look twice as often."""
 
-# key -> (default, meaning). The README table is generated from the same text.
-CONF_KEYS: dict[str, tuple[str, str]] = {
-    "store": ("auto", "`etcd`, `c10d` (embedded TCPStore) or `auto`: `c10d` when the endpoint "
-                      "is empty or starts with `c10d://`, else `etcd`"),
-    "key_prefix": ("/elastic-ext", "the run's keys live under `<key_prefix>/<run_id>/`"),
-    "join_timeout": ("600", "seconds a node waits for a round to admit it (below `--nnodes` MIN "
-                            "included) before it exits; torchrun's `--rdzv-timeout` sets it too"),
-    "last_call_timeout": ("1.0", "seconds a round with at least MIN nodes waits for live members "
-                                 "that have not rejoined yet; it closes at once when all have"),
-    "close_timeout": ("10", "seconds `shutdown` and `set_closed` keep trying to reach the store"),
-    "heartbeat_interval": ("1.0 on etcd, 0.5 embedded",
-                           "seconds between an agent's heartbeats (on etcd a watch of the "
-                           "watcher's verdict tells every agent of a death at once; the "
-                           "embedded store's agents read it at their next heartbeat)"),
-    "heartbeat_timeout": ("3.0", "a node whose heartbeat has not changed for this long is dead"),
-    "heartbeat_mode": ("write", "`write`: each agent writes its heartbeat every interval; "
-                                "`lease` (etcd only): it renews an etcd lease instead and the "
-                                "others watch its key (fewer requests; see "
-                                "docs/failure-model.md); `heartbeat`, its old name, still "
-                                "works, with a warning"),
-    "request_timeout": ("2.0", "seconds one etcd request may take before the next endpoint "
-                               "is tried"),
-    "connect_timeout": ("15", "seconds one store operation keeps retrying across endpoints; "
-                              "an agent that cannot reach etcd at start fails after this with "
-                              "the endpoints named (inside a rendezvous an etcd outage is "
-                              "waited out until `join_timeout`)"),
-    "max_restarts": ("torchrun's `--max-restarts`",
-                     "job-wide budget of worker-failure restarts, kept in the store; "
-                     "membership changes are free"),
-    "cacert": ("", "CA bundle that signed etcd's server certificate (turns on https)"),
-    "cert": ("", "client certificate for etcd mutual TLS (needs `key`)"),
-    "key": ("", "private key of `cert`"),
-    "user": ("", "etcd user name; its password comes from `password_env` or `password_file`"),
-    "password_env": (DEFAULT_PASSWORD_ENV, "environment variable that holds the etcd password"),
-    "password_file": ("", "file whose first line is the etcd password"),
-    "is_host": ("auto", "c10d store only: whether this node hosts the embedded TCPStore "
-                        "(`auto`: the node whose address matches the endpoint tries; `true`: "
-                        "this node hosts; `false`: it only connects)"),
-    "events_file": ("", "append one JSON line per rendezvous event of this agent to this file "
-                        "(for tools and audits; see `elastic_ext/rendezvous/agent/events.py`)"),
-    "metrics_port": ("", "serve this agent's Prometheus metrics on this port of every "
-                         "interface (`0`: any free port, named in the log and the "
-                         "`started` event); needs `pip install 'elastic-ext[metrics]'`"),
-    "warm_start": ("on", "`on` or `off`: a per-node fork server starts the workers of "
-                         "`-m elastic_ext.warm ...` and of the bundled `-m trainer` in a "
-                         "fraction of a second (see `docs/warm-start.md`)"),
-    "warm_preload": ("", "extra modules, separated by colons, the warm-start server imports "
-                         "before it forks workers"),
-    "timeout": ("900", "set by torchrun from `--rdzv-timeout`; used as `join_timeout` "
-                       "when that key is not given"),
-}
-
-RENAMED: dict[str, str] = {"heartbeat": "heartbeat_mode"}
-"""Old name -> new name: still accepted, with one warning, so existing jobs keep running."""
 
 _FORBIDDEN = {"password": "pass the password through `password_env` (an environment variable "
                           "name) or `password_file`, never on the command line"}
@@ -136,6 +83,8 @@ class Settings:
     warm_start: bool = True
     warm_preload: tuple[str, ...] = ()
     heartbeat_mode: str = "write"  # or "lease" (etcd)
+    reach_timeout: float = 0.75  # the ring check before the workers start (``reach.py``)
+    hang: HangRules = HangRules()
 
     @property
     def run_prefix(self) -> str:
@@ -386,6 +335,12 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
         metrics_port=_port("metrics_port", conf["metrics_port"])
         if str(conf.get("metrics_port", "")).strip() else None,
         warm_start=_on_off("warm_start", conf.get("warm_start", "on")),
+        reach_timeout=_number("reach_timeout", conf.get("reach_timeout", 0.75), minimum=0),
         warm_preload=_module_list("warm_preload", str(conf.get("warm_preload", ""))),
         heartbeat_mode=heartbeat_mode,
+        hang=HangRules(floor=_number("hang_floor", conf.get("hang_floor", 2.0), minimum=0.1),
+                       factor=_number("hang_factor", conf.get("hang_factor", 10), minimum=1),
+                       startup=_number("hang_startup", conf.get("hang_startup", 300),
+                                       minimum=1),
+                       enabled=_on_off("hang_check", conf.get("hang_check", "on"))),
     )

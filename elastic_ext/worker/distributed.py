@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
@@ -74,6 +75,23 @@ def choose_device(device: DeviceChoice = "auto", local_rank: int | None = None) 
     return torch.device("cuda", local_rank)
 
 
+FLIGHT_RECORDER_DIR_ENV = "ELASTIC_EXT_FLIGHT_RECORDER_DIR"
+"""Where NCCL ranks dump their flight recorder (default: none, the recorder stays off)."""
+
+
+def flight_recorder_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What turns on torch's NCCL flight recorder for a hang's post-mortem, when
+    ``ELASTIC_EXT_FLIGHT_RECORDER_DIR`` names a directory (shared, or collected per node):
+    each rank keeps its last 2,000 collectives and dumps them, with their sequence numbers,
+    when a collective times out; ``torchfrtrace DIR`` then names the rank that stopped
+    issuing them (docs/failure-model.md). Settings the user made win (``setdefault``)."""
+    directory = environ.get(FLIGHT_RECORDER_DIR_ENV)
+    if not directory:
+        return {}
+    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_FR_DUMP_TEMP_FILE": f"{directory.rstrip('/')}/rank_"}
+
+
 def init_process_group(*, timeout_s: float, device: torch.device,
                        backend: BackendChoice = "auto", store: dist.Store | None = None,
                        rank: int | None = None, world_size: int | None = None) -> str:
@@ -97,6 +115,8 @@ def init_process_group(*, timeout_s: float, device: torch.device,
             logger.debug("TORCH_NCCL_ASYNC_ERROR_HANDLING %s -> %s (etcd-ext recovery)",
                          previous, NCCL_ASYNC_ERROR_HANDLING)
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ASYNC_ERROR_HANDLING
+        for key, value in flight_recorder_env(os.environ).items():
+            os.environ.setdefault(key, value)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -109,5 +129,6 @@ def init_process_group(*, timeout_s: float, device: torch.device,
     return name
 
 
-__all__ = ["NCCL_ASYNC_ERROR_HANDLING", "choose_device", "collective_device",
-           "init_process_group", "rank", "world_size"]
+__all__ = ["FLIGHT_RECORDER_DIR_ENV", "NCCL_ASYNC_ERROR_HANDLING", "choose_device",
+           "collective_device", "flight_recorder_env", "init_process_group", "rank",
+           "world_size"]

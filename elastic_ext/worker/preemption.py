@@ -39,6 +39,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -55,6 +56,7 @@ from elastic_ext.worker.hold import (
     hold_after_peer_fault,
     is_peer_fault,
 )
+from elastic_ext.worker.progress import ProgressBeacon
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +156,7 @@ class PreemptionGuard:
         self._reader: socket.socket | None = None
         self._writer: socket.socket | None = None
         self._thread: threading.Thread | None = None
+        self.beacon: ProgressBeacon | None = None  # under an etcd-ext agent, once installed
 
     # -- installation
     @property
@@ -166,6 +169,7 @@ class PreemptionGuard:
             raise RuntimeError("PreemptionGuard.install() must run in the main thread")
         if self._thread is not None:
             return self
+        self.beacon = ProgressBeacon.for_this_worker()
         self._reader, self._writer = socket.socketpair()
         self._writer.setblocking(False)
         self._previous_wakeup_fd = signal.set_wakeup_fd(self._writer.fileno(),
@@ -225,6 +229,9 @@ class PreemptionGuard:
 
     def _set_phase(self, phase: GuardPhase) -> None:
         with self._lock:
+            if phase is not GuardPhase.RUNNING and self._phase is GuardPhase.RUNNING \
+                    and self.beacon is not None:
+                self.beacon.pause()  # a commit or a hold is not a hang: this worker leaves
             self._phase = phase
 
     def _keep(self, why: str) -> None:
@@ -364,13 +371,20 @@ class PreemptionGuard:
             dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group)
             flags = payload[:2].cpu()
             summed = payload[2:] if values is not None else None
-        stop = bool(flags[0].item() > 0)
+        stop = bool(flags[0].item() > 0)  # read back: the device finished the step
         if stop:
             self._set_phase(GuardPhase.COMMITTING)
         else:
             control.report_progress()
+            if self.beacon is not None:
+                self.beacon.step()
         return Agreement(stop=stop, values=summed,
                          restart=stop and bool(flags[1].item() == flags[0].item()))
+
+    def no_hang_check(self) -> AbstractContextManager[None]:
+        """A known long pause between step boundaries (evaluation, a synchronous save): the
+        agent's hang judge does not count it (``rendezvous/protocol/hang.py``)."""
+        return self.beacon.paused() if self.beacon is not None else nullcontext()
 
     def done(self) -> None:
         """The last step is done: tell the etcd-ext agent that training completed. Only this

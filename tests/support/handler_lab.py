@@ -112,6 +112,9 @@ def make_lab(tmp_path: Path) -> Iterator[Callable[..., Lab]]:
     def make(nnodes: tuple[int, int] = (1, 1), transient: bool = True,
              starter: FakeStarter | None = None, **conf: str) -> Lab:
         conf.setdefault("join_timeout", "30")
+        # the simulated peers listen nowhere: the ring check is tested on its own
+        # (tests/test_ring_check.py, with a simulated network)
+        conf.setdefault("reach_timeout", "0")
         settings = settings_for("127.0.0.1:2379", "run1", nnodes, **conf)
         store = MemoryStore()
         clock = FakeClock()

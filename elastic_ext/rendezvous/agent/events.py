@@ -41,6 +41,7 @@ class EventKind(str, enum.Enum):
     LEFT_ON_NOTICE = "left_on_notice"  # why: this node leaves the job; the others train on
     JOB_STOPPING = "job_stopping"  # why: the whole job stops with a durable snapshot
     LEFT = "left"  # this agent left the run
+    HUNG = "hung"  # why, culprits: no training step for longer than the hang limit
 
 
 _NODE_STATES = {EventKind.JOINED: NodeState.RUNNING, EventKind.BUDGET_SPENT: NodeState.FAILED,

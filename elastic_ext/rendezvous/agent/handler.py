@@ -26,12 +26,13 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from elastic_ext.agent.control import AgentControl
+from elastic_ext.net import workers_address
 from elastic_ext.rendezvous.agent.events import EventKind, EventLog
-from elastic_ext.rendezvous.agent.join_session import JoinSession
 from elastic_ext.rendezvous.agent.keeper import Keeper
 from elastic_ext.rendezvous.agent.lifecycle import Lifecycle, read_state
 from elastic_ext.rendezvous.agent.probes import Probes
 from elastic_ext.rendezvous.agent.prometheus import AgentMetrics
+from elastic_ext.rendezvous.agent.ring_check import take_seat
 from elastic_ext.rendezvous.agent.session_context import (
     Memory,
     RunAccess,
@@ -87,7 +88,7 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         self._backend = backend
         self._backend_name = backend_name
         self._node = node_id or make_node_id()
-        addr = settings.local_addr or socket.getfqdn()
+        addr = workers_address(settings.local_addr)  # --local-addr, ELASTIC_EXT_IFNAME, ...
         self._clock = clock
         self._control = control or AgentControl()
         self._metrics = metrics
@@ -101,12 +102,13 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
             metrics.watch_peers(self.keeper.peer_silence)
         self._keeper_thread = keeper_thread
         self._keeper_started = False
-        self._lifecycle = Lifecycle(self._node, settings, backend, self.keeper, self._events)
+        self._lifecycle = Lifecycle(self._node, settings, backend, self.keeper, self._events,
+                                    addr=addr)
         self._access = RunAccess(node=self._node, settings=settings, backend=backend, clock=clock)
         self._parts = SessionParts(
             addr=addr, keeper=self.keeper, events=self._events, control=self._control,
             probes=Probes(self._node, backend, self.keeper, self._events),
-            lifecycle=self._lifecycle)
+            lifecycle=self._lifecycle, reach_timeout=settings.reach_timeout)
         self._memory = Memory()  # what one next_rendezvous call leaves to the next
         self._events.emit(EventKind.STARTED,
                           f"node {self._node} on the {backend.name} store"
@@ -150,7 +152,7 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         self._start_keeper()
         if self._memory.completed is None:
             self._wait_for_starter_before_joining_a_running_job()
-        seat = JoinSession(self._access, self._parts, self._memory).run()
+        seat = take_seat(self._access, self._parts, self._memory)  # its ring reached first
         return RendezvousInfo(
             store=self._backend.round_store(seat.generation, seat.round),
             rank=seat.rank, world_size=seat.world_size,
@@ -179,7 +181,10 @@ class EtcdExtRendezvousHandler(RendezvousHandler):
         a node waiting to join, a newer round, a worker's fault report): torch's agent
         restarts the workers, without spending a local restart, when it is positive."""
         self.keeper.check_worker_report()
-        return self.keeper.pressure.count
+        count = self.keeper.pressure.count
+        if count:  # torch stops the workers next, for free: a hung round's culprits too
+            self.keeper.stop_hung_workers()
+        return count
 
     def shutdown(self) -> bool:
         """Leave the run (``lifecycle.py``): True if the others were told, False if the

@@ -66,7 +66,11 @@ deleted between its ``check`` and its ``multi_get`` made that read wait out
 class JoinSession:
     """One call's way into a closed round; ``run`` once, then drop it."""
 
-    def __init__(self, run: RunAccess, parts: SessionParts, memory: Memory) -> None:
+    def __init__(self, run: RunAccess, parts: SessionParts, memory: Memory,
+                 reported: frozenset[str] = frozenset()) -> None:
+        """``reported``: the nodes of this node's round it could not reach before its
+        workers started (``ring_check.py``): it leaves that round for the next at once."""
+        self._reported = reported
         self._node = run.node
         self._settings = run.settings
         self._limits = Limits.of(run.settings)
@@ -100,13 +104,17 @@ class JoinSession:
         memory = self._memory
         pressure = self._keeper.pressure
         reenter = pressure.reason if memory.completed else Reason.START
-        unreachable: frozenset[str] = frozenset()
+        unreachable = self._reported
+        if unreachable:
+            reenter = Reason.FAILURE  # that round cannot train; free if it loses a node
         if memory.completed:
-            why = pressure.why or "this node's workers failed"
+            why = f"could not reach {', '.join(sorted(unreachable))} before the workers " \
+                "started" if unreachable else pressure.why or "this node's workers failed"
             self._events.emit(EventKind.RESTART,
                               f"restart after round {memory.completed[1]}: {why}",
                               after_round=memory.completed[1], why=why)
-            if reenter is Reason.FAILURE or not self._keeper.round_progressed():
+            if not unreachable and (reenter is Reason.FAILURE
+                                    or not self._keeper.round_progressed()):
                 unreachable = self._probes.unreachable_peers(self._last_order(),
                                                              memory.completed[1])
         self._keeper.watch_round(None)
@@ -291,6 +299,7 @@ class JoinSession:
         self._memory.last_order = state.order if state is not None else None
         self._memory.last_rank0 = head.closer
         self._memory.last_seal = seat.seal
+        self._memory.last_ring = seat.ring if seat.ring else None
         self._keeper.watch_round(self._memory.completed)
         self._control.publish_round(seat.round)
         self._events.emit(EventKind.JOINED,
@@ -307,10 +316,13 @@ class JoinSession:
         return seat
 
     def _last_order(self) -> tuple[str, ...]:
-        """The nodes of the round this node last ran in; when it took its seat without
-        reading them, from the round's seats, which also say where the nodes are (a probe
-        of them all is O(N) anyway)."""
+        """The nodes of the round this node last ran in that it probes: its ring, which its
+        seat named (``reach.py``: O(N) probes for the job); else all of them, when it took
+        its seat without reading them from the round's seats, which say where they are."""
         memory = self._memory
+        if memory.last_ring is not None:
+            self._probes.learn_nodes(dict(memory.last_ring))
+            return tuple(name for name, _ in memory.last_ring)
         if memory.last_order is not None or memory.completed is None:
             return memory.last_order or ()
         try:

@@ -23,6 +23,8 @@ store, asks the pure deciders (``watcher.py`` judges, ``pressure.py`` weighs the
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
@@ -40,6 +42,7 @@ from elastic_ext.rendezvous.agent.presence_book import PresenceBook
 from elastic_ext.rendezvous.agent.run_view import RunView
 from elastic_ext.rendezvous.errors import CorruptStateError
 from elastic_ext.rendezvous.protocol.clock import SYSTEM_CLOCK, Clock
+from elastic_ext.rendezvous.protocol.hang import BLAMES_TO_LEAVE, HangRules
 from elastic_ext.rendezvous.protocol.liveness import Liveness, Verdict
 from elastic_ext.rendezvous.protocol.policy import Limits
 from elastic_ext.rendezvous.protocol.pressure import Action, Pressure, RoundPressure, TellLost
@@ -51,12 +54,21 @@ from elastic_ext.rendezvous.stores.contract import StoreBackend
 logger = logging.getLogger(__name__)
 
 
+def kill_quietly(pid: int) -> None:
+    """SIGKILL ``pid`` (it may have exited meanwhile)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+        logger.warning("etcd-ext: killed hung worker pid %d", pid)
+    except (ProcessLookupError, PermissionError) as exc:
+        logger.info("etcd-ext: could not kill hung worker pid %d: %s", pid, exc)
+
+
 class Keeper:
     """Runs ``tick`` every ``interval`` in its own thread once started; ``tick`` alone in tests."""
 
     def __init__(self, backend: StoreBackend, node: str, *, interval: float, timeout: float,
                  limits: Limits, control: AgentControl, events: EventLog,
-                 clock: Clock = SYSTEM_CLOCK) -> None:
+                 clock: Clock = SYSTEM_CLOCK, hang_rules: HangRules | None = None) -> None:
         self._backend = backend
         self._node = node
         self._interval = interval
@@ -69,7 +81,7 @@ class Keeper:
         self._thread: threading.Thread | None = None
         self._watcher = Watcher(node, Liveness(timeout, clock.monotonic,
                                                expiring=backend.heartbeats_expire))
-        self._rounds = RoundPressure(node, limits, clock)
+        self._rounds = RoundPressure(node, limits, clock, hang_rules)
         self._book = PresenceBook(node)
         self._also_watched: set[str] = set()
         self._peers: frozenset[str] = frozenset()  # the last state's members and waiting
@@ -89,7 +101,7 @@ class Keeper:
         and timeout, and the job's ``Limits``."""
         return cls(backend, node, interval=settings.timeouts.heartbeat_interval,
                    timeout=settings.timeouts.heartbeat, limits=Limits.of(settings),
-                   control=control, events=events, clock=clock)
+                   control=control, events=events, clock=clock, hang_rules=settings.hang)
 
     # -- what the handler reads ---------------------------------------------------------
     @property
@@ -162,6 +174,28 @@ class Keeper:
         with self._lock:
             self._view.member_of = round_ or self._view.member_of
             self._rounds.watch(round_)
+
+    def stop_hung_workers(self) -> None:
+        """Once torch's agent has read the pressure of a hung round (it stops the workers
+        next, for free: ``handler.num_nodes_waiting``), kill this node's culprits, which
+        would not leave on its SIGTERM (a stopped process keeps it pending; torch would
+        wait 30 s); and when they cannot be killed, or were to blame twice in a row, take
+        the node out of the job as a preemption notice would (``drain.py``)."""
+        with self._lock:
+            hung, self._rounds.hung = self._rounds.hung, None
+            leave = self._rounds.hang.leave_the_job
+        if hung is None:
+            return
+        self._events.emit(EventKind.HUNG, f"round hung: {hung.why}", why=hung.why,
+                          culprits=[c.how for c in hung.culprits])
+        for culprit in hung.culprits:
+            if culprit.killable:
+                kill_quietly(culprit.pid)
+        if hung.unkillable or leave:
+            why = ("a worker cannot be killed" if hung.unkillable
+                   else f"blamed for {BLAMES_TO_LEAVE} hangs in a row")
+            logger.error("etcd-ext: this node leaves the job: %s (%s)", why, hung.why)
+            self._control.leave_the_job(f"hang: {why}")
 
     def check_worker_report(self) -> None:
         """Act on a worker's peer-fault report now rather than at the next tick: the agent

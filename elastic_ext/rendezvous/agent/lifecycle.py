@@ -17,6 +17,7 @@ from dataclasses import replace
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
+from elastic_ext.net import describe_interface
 from elastic_ext.rendezvous.agent.events import EventKind, EventLog
 from elastic_ext.rendezvous.agent.keeper import Keeper
 from elastic_ext.rendezvous.errors import (
@@ -62,8 +63,11 @@ class Lifecycle:
     """How one node ends its part in the run, and what it tells the others on the way."""
 
     def __init__(self, node: str, settings: Settings, backend: StoreBackend, keeper: Keeper,
-                 events: EventLog) -> None:
+                 events: EventLog, addr: str = "") -> None:
+        """``addr``: the address this node published for its workers, named when it is
+        left out for being unreachable."""
         self._node = node
+        self._addr = addr
         self._settings = settings
         self._backend = backend
         self._keeper = keeper
@@ -197,9 +201,11 @@ class Lifecycle:
         if isinstance(decision, Excluded):
             message = (f"etcd-ext run {run_id}: node {self._node} was left "
                        f"out of the job: {decision.state.excluded[self._node]}. Its workers "
-                       "cannot train with nodes that cannot reach it: check the network "
-                       "between the nodes (firewall, routes, --local-addr), then start it "
-                       "again to rejoin")
+                       "cannot train with nodes that cannot reach it"
+                       + (f" at {self._addr}, on {describe_interface(self._addr)}"
+                          if self._addr else "")
+                       + ": check the network between the nodes (firewall, routes, "
+                       "--local-addr or ELASTIC_EXT_IFNAME), then start it again to rejoin")
             logger.error(message)
             self._events.emit(EventKind.EXCLUDED, message, why=decision.state.excluded[self._node])
             raise NodeExcludedError(message)

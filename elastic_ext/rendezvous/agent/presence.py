@@ -233,6 +233,12 @@ def _dial(addr: str, port: int, timeout: float) -> str:
         return "silent"
 
 
+def connects(addr: str, port: int, timeout: float) -> bool:
+    """Whether a connection to ``addr:port`` was made within ``timeout``: the path there
+    works both ways (a refusal or no answer: it does not, for the workers either)."""
+    return _dial(addr, port, timeout) == "connected"
+
+
 def refuses(addr: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool:
     """True only when ``addr:port`` actively refused a connection: nobody listens there."""
     return _dial(addr, port, timeout) == "refused"

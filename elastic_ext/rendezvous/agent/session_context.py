@@ -16,6 +16,7 @@ from elastic_ext.rendezvous.agent.lifecycle import Lifecycle
 from elastic_ext.rendezvous.agent.probes import Probes
 from elastic_ext.rendezvous.errors import StoreUnavailableError
 from elastic_ext.rendezvous.protocol.clock import Clock
+from elastic_ext.rendezvous.protocol.state import NodeInfo
 from elastic_ext.rendezvous.settings import Settings
 from elastic_ext.rendezvous.stores.contract import StoreBackend
 
@@ -46,6 +47,8 @@ class Memory:
     last_order: tuple[str, ...] | None = ()
     last_rank0: str | None = None
     last_seal: str = ""  # ``head.seal_of`` that round
+    # that round's nodes this node probes (its seat's ring: ``reach.py``); None: unknown
+    last_ring: tuple[tuple[str, NodeInfo], ...] | None = None
     # when this node first saw each open round with MIN nodes (its last call counts from then)
     min_reached_at: dict[tuple[str, int], float] = field(default_factory=dict)
     last_written_note: str = ""  # logged when written: not logged again when read
@@ -73,7 +76,8 @@ class RunAccess:
 class SessionParts:
     """What a session works with besides ``RunAccess``: where this node is, and the
     agent's parts it tells and asks (the keeper, the events, the
-    workers' control directory, the probes, the lifecycle)."""
+    workers' control directory, the probes, the lifecycle), and the reach of its ring
+    neighbours it checks before its workers start (seconds; 0: no check)."""
 
     addr: str
     keeper: Keeper
@@ -81,3 +85,4 @@ class SessionParts:
     control: AgentControl
     probes: Probes
     lifecycle: Lifecycle
+    reach_timeout: float = 0.0

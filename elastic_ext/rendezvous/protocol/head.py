@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic_ext.rendezvous.errors import CorruptStateError
+from elastic_ext.rendezvous.protocol.reach import ring_of
 from elastic_ext.rendezvous.protocol.state import (
     NodeInfo,
     Phase,
@@ -142,6 +143,9 @@ class Seat:
     master_port: int
     seal: str
     node: NodeInfo  # where this node's agent is: the others probe it (``probes.py``)
+    # the nodes it probes on the workers' network before they start, and where they are
+    # (``reach.ring_of``): a few, so no node reads every seat to find them
+    ring: tuple[tuple[str, NodeInfo], ...] = ()
 
     def fits(self, head: Head | None) -> bool:
         """Whether ``head`` is the closed round this seat was written for."""
@@ -149,23 +153,35 @@ class Seat:
             (head.generation, head.round, head.seal) == (self.generation, self.round, self.seal)
 
     def to_bytes(self) -> bytes:
-        return json.dumps([self.generation, self.round, self.rank, self.world_size,
-                           self.master_addr, self.master_port, self.seal, self.node.to_json()],
-                          separators=(",", ":")).encode()
+        """A JSON list; the ring, when there is one, comes last (seats without it, written
+        before it existed, still parse)."""
+        doc: list[Any] = [self.generation, self.round, self.rank, self.world_size,
+                          self.master_addr, self.master_port, self.seal, self.node.to_json()]
+        if self.ring:
+            doc.append([[name, info.to_json()] for name, info in self.ring])
+        return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes | None) -> Seat | None:
         """Parse strictly; None for a missing value or anything etcd-ext did not write."""
-        if raw is None or len(raw) > 4096:
+        if raw is None or len(raw) > MAX_SEAT_BYTES:
             return None
         try:
-            generation, round_, rank, world, addr, port, seal, node = json.loads(raw)
+            generation, round_, rank, world, addr, port, seal, node, *rest = json.loads(raw)
+            if len(rest) > 1:
+                return None
+            ring = tuple((parse_text(name), parse_node_info(info))
+                         for name, info in (rest[0] if rest else ()))
             seat = cls(parse_text(generation), parse_count(round_), parse_count(rank),
                        parse_count(world), parse_text(addr), parse_count(port),
-                       parse_text(seal), parse_node_info(node))
+                       parse_text(seal), parse_node_info(node), ring)
         except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
             return None
         return seat if seat.rank < seat.world_size else None
+
+
+MAX_SEAT_BYTES = 16 * 1024
+"""A seat with its ring of ``2 x RING_SPAN`` nodes is well under 2 KB."""
 
 
 def seats_of(state: RunState) -> dict[str, Seat]:
@@ -175,8 +191,12 @@ def seats_of(state: RunState) -> dict[str, Seat]:
         return {}
     master = state.master()
     return {node: Seat(state.generation, state.round, rank, len(state.order), master.addr,
-                       master.port, seal, state.members[node])
+                       master.port, seal, state.members[node], _ring(state, node))
             for rank, node in enumerate(state.order)}
+
+
+def _ring(state: RunState, node: str) -> tuple[tuple[str, NodeInfo], ...]:
+    return tuple((other, state.members[other]) for other in ring_of(state.order, node))
 
 
 def seat_of(state: RunState, node: str) -> Seat | None:
@@ -185,7 +205,8 @@ def seat_of(state: RunState, node: str) -> Seat | None:
         return None
     master = state.master()
     return Seat(state.generation, state.round, state.rank_of(node), len(state.order),
-                master.addr, master.port, seal_of(state), state.members[node])
+                master.addr, master.port, seal_of(state), state.members[node],
+                _ring(state, node))
 
 
 def head_bytes_of(state: bytes) -> bytes:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from elastic_ext.rendezvous.protocol.head import Head
+from elastic_ext.rendezvous.protocol.reach import cut_off_in_ring
 from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, Reason, RunState, Status
 
 if TYPE_CHECKING:  # the settings are only read here, never parsed
@@ -235,17 +236,22 @@ def should_close(state: RunState, view: View, limits: Limits) -> bool:
 
 
 def unreachable_by_most(state: RunState) -> dict[str, list[str]]:
-    """Nodes of the job that most of the open round's other members could not reach, with
-    who reported them (a node whose workers hang at start may not have rejoined yet).
-    Two reporters at least: with two nodes nobody can tell which side is cut off, and
-    those rounds are bounded by ``Limits.stalled_rounds`` instead."""
+    """Nodes of the job that most of the open round's other members could not reach, or
+    most of their ring probers in the last round (``reach.py``: each node probes only a
+    few), with who reported them (a node whose workers hang at start may not have
+    rejoined yet). Two reporters at least: with two nodes nobody can tell which side is
+    cut off, and those rounds are bounded by ``Limits.stalled_rounds`` instead."""
     out: dict[str, list[str]] = {}
     for node in sorted(state.known_nodes() - set(state.excluded)):
         others = [n for n in state.members if n != node]
         reporters = sorted(n for n in others if node in state.unreachable.get(n, ()))
         if len(reporters) >= 2 and 2 * len(reporters) > len(others):
             out[node] = reporters
-    return out
+    ring = cut_off_in_ring(state.previous, list(state.members), state.unreachable,
+                           skip=tuple(state.excluded))
+    for node, reporters in ring.items():
+        out.setdefault(node, reporters)
+    return dict(sorted(out.items()))
 
 
 def stalled_rounds(state: RunState) -> int:
@@ -256,13 +262,23 @@ def stalled_rounds(state: RunState) -> int:
 def exclude(state: RunState, cut_off: Mapping[str, list[str]]) -> RunState:
     """The open round without the members its others cannot reach, who are told why."""
     excluded = {**state.excluded, **{node: f"not reachable from {', '.join(by)}, though the "
-                                           "store was" for node, by in cut_off.items()}}
+                                           f"store was{_at(state, node)}"
+                                     for node, by in cut_off.items()}}
     return replace(state, members=_without(state.members, cut_off),
                    waiting=_without(state.waiting, cut_off),
                    excluded=dict(list(excluded.items())[-64:]),
                    unreachable={k: v for k, v in state.unreachable.items() if k not in cut_off},
                    note=f"left {', '.join(sorted(cut_off))} out of round {state.round}: "
                         + "; ".join(f"{n} {excluded[n]}" for n in sorted(cut_off)))
+
+
+def _at(state: RunState, node: str) -> str:
+    """Where the others tried to reach ``node``: the address it published for its workers."""
+    info = state.members.get(node) or state.waiting.get(node)
+    if info is None:
+        return ""
+    port = f", presence port {info.presence}" if info.presence is not None else ""
+    return f" (they tried its workers' address {info.addr}{port})"
 
 
 def _unreachable_text(state: RunState) -> str:

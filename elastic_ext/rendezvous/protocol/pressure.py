@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from elastic_ext.rendezvous.protocol.clock import Clock
+from elastic_ext.rendezvous.protocol.hang import Beacon, HangJudge, HangRules, Hung
 from elastic_ext.rendezvous.protocol.head import Head
 from elastic_ext.rendezvous.protocol.policy import Limits, head_pressure
 from elastic_ext.rendezvous.protocol.state import Phase, Reason, Status
@@ -32,6 +33,8 @@ class WorkerReports(Protocol):
     def fault_reported(self, round_: int) -> str | None: ...
 
     def setup_fault_reported(self, round_: int) -> str | None: ...
+
+    def beacons(self) -> list[Beacon]: ...
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,8 @@ class RoundPressure:
     """The watched round, its reasons to leave and its progress; the keeper's lock guards
     it."""
 
-    def __init__(self, me: str, limits: Limits, clock: Clock) -> None:
+    def __init__(self, me: str, limits: Limits, clock: Clock,
+                 hang_rules: HangRules | None = None) -> None:
         self._me = me
         self._limits = limits
         self._clock = clock
@@ -77,6 +81,8 @@ class RoundPressure:
         self._round_since = clock.monotonic()  # when the watched round was handed over
         self.progressed = False  # the watched round's workers completed a step
         self.steps_reported = False  # this agent's workers ever reported one
+        self.hang = HangJudge(hang_rules or HangRules())
+        self.hung: Hung | None = None  # the watched round's hang, until its culprits are stopped
 
     def watch(self, round_: tuple[str, int] | None) -> None:
         """A new round to watch (None: none): no reason to leave it yet, no progress."""
@@ -84,6 +90,8 @@ class RoundPressure:
         self.pressure = Pressure()
         self._round_since = self._clock.monotonic()
         self.progressed = False
+        self.hang.watch(round_[1] if round_ else None, self._round_since)
+        self.hung = None
 
     def blind(self, reports: WorkerReports) -> None:
         """The store is unreachable. Workers stuck on a dead peer cannot wait for it to
@@ -164,10 +172,29 @@ class RoundPressure:
                                         Reason.MEMBERSHIP))
         if reports.fault_reported(self.round[1]) is not None:
             return self._leave(Pressure(1, "a worker reported a peer fault", Reason.FAILURE))
-        return []
+        return self.hang_check(reports)
+
+    def hang_check(self, reports: WorkerReports) -> list[Action]:
+        """Leave a round whose workers stopped finishing steps (``hang.py``): free when
+        this node's workers are to blame (its culprits are stopped, and it leaves the job
+        after ``BLAMES_TO_LEAVE`` in a row), charged once when no node could tell."""
+        assert self.round is not None
+        hung = self.hang.observe(reports.beacons(), self._clock.monotonic())
+        if hung is None:
+            return []
+        self.hung = hung
+        reason = Reason.MEMBERSHIP if hung.culprits else Reason.FAILURE
+        return self._leave(Pressure(1, f"the round is hung: {hung.why}", reason))
 
     def _leave(self, pressure: Pressure) -> list[Action]:
-        """Record the first reason to leave the round, and say so."""
+        """Record the first reason to leave the round, and say so; when its workers made no
+        progress for half the hang limit, they are told the peers are lost, so that their
+        stop keeps the last finished step at once instead of waiting for a boundary."""
         assert self.round is not None
         self.pressure = pressure
-        return [Leave(self.round[1], pressure)]
+        actions: list[Action] = []
+        if self.hang.stalled(self._clock.monotonic()) and self._lost_told != self.round:
+            actions.append(TellLost(self.round[1], f"no step for "
+                                    f"{self.hang.stalled_for(self._clock.monotonic()):.1f}s"))
+            self._lost_told = self.round
+        return [*actions, Leave(self.round[1], pressure)]

@@ -40,7 +40,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -62,7 +62,12 @@ from elastic_ext.worker.distributed import (
 from elastic_ext.worker.loop.data import DataPosition, next_batch, shard
 from elastic_ext.worker.loop.metrics_file import MetricsLog
 from elastic_ext.worker.loop.sampler import StepSampler
-from elastic_ext.worker.loop.sharding import as_restored, round_mesh, sharded_state_for
+from elastic_ext.worker.loop.sharding import (
+    as_restored,
+    every_rank_reduced,
+    round_mesh,
+    sharded_state_for,
+)
 from elastic_ext.worker.preemption import GuardSettings, PreemptionGuard, exit_now
 from elastic_ext.worker.snapshot import (
     HeldStep,
@@ -138,7 +143,14 @@ class LoopSettings:
     its last copy is in flight costs that step, trained again. False: the step counts
     only once its copy arrived (0 steps trained again)."""
     def __post_init__(self) -> None:
-        """Check the timeouts against each other, and the counts."""
+        """Take a path given as text; check the timeouts against each other, and the counts."""
+        for name in ("snapshot_dir", "events_file"):
+            value = getattr(self, name)
+            if isinstance(value, (str, os.PathLike)) and not isinstance(value, Path):
+                object.__setattr__(self, name, Path(value))
+            elif value is not None and not isinstance(value, Path):
+                raise TypeError(f"LoopSettings.{name}={value!r} must be a path (str or "
+                                "pathlib.Path) or None")
         self._check_timeouts()
         self._check_counts()
 
@@ -256,6 +268,12 @@ class ElasticLoop:
       then exits (0 once its own signal came). A step boundary not reached within
       ``stop_grace_s`` (``preempt_grace_s`` after SIGUSR2) ends the worker without a
       durable snapshot, keeping the last completed step in node memory.
+
+    - A hang (a rank stopped, deadlocked, or stuck outside the step's collectives while
+      its agent lives): the agent judges it from ``step_done``'s pace (no step for
+      max(2 s, 10 step times); ``no_hang_check()`` around known long pauses), every rank
+      keeps the last completed step, the stuck worker is killed and the next round
+      restores that step (docs/failure-model.md, "Hangs found from step progress").
 
     For framework integrations and the bundled trainer: ``framework`` (``FrameworkHooks``).
     """
@@ -402,7 +420,10 @@ class ElasticLoop:
     @contextmanager
     def update(self) -> Iterator[None]:
         """Around the optimizer's (and scheduler's) step: no keep sees half an update, and
-        on a GPU the step counts only once the device finished it (``HeldStep``)."""
+        on a GPU the step counts only once the device finished it (``HeldStep``); a
+        sharded model's update waits for every rank (``sharding.every_rank_reduced``)."""
+        if self._sharded is not None:
+            every_rank_reduced()
         with self._held.updating(self._step + 1, self._next):
             yield
 
@@ -441,14 +462,23 @@ class ElasticLoop:
                 and self._step % s.snapshot_every == 0
                 and (s.total_steps is None or self._step < s.total_steps)):
             if sharded is not None:
-                self._snapshot_sharded(sharded)
+                with self.no_hang_check():  # a synchronous DCP save may take seconds
+                    self._snapshot_sharded(sharded)
                 return mean
             try:  # collective (every rank's RNG states go to rank 0): a peer may die in it
-                future = self._snapshots.commit(self._step, self._state())
+                with self.no_hang_check():
+                    future = self._snapshots.commit(self._step, self._state())
             except Exception as exc:
                 self._fail(exc)
             future.add_done_callback(partial(self._report_snapshot, self._step))
         return mean
+
+    def no_hang_check(self) -> AbstractContextManager[None]:
+        """Around a known long pause between two ``step_done`` calls (evaluation, a
+        synchronous checkpoint of your own), entered on every rank: the agent's hang check
+        (``--rdzv-conf hang_floor``, ``hang_factor``) does not count it. Without it, a pause
+        longer than max(2 s, 10 steps) makes the agent judge the round hung."""
+        return self._guard.no_hang_check()
 
     def finish(self, **fields: Any) -> None:
         """Training completed: a durable snapshot of the last step (collective), then tell
@@ -697,6 +727,7 @@ class FrameworkHooks:
 
     def __init__(self, loop: ElasticLoop) -> None:
         self._loop = loop
+        self._hang_check_paused = False
 
     # -- the update, in two calls
     def begin_update(self) -> None:
@@ -717,6 +748,19 @@ class FrameworkHooks:
         self._loop._abandon_update(why)
 
     # -- what is saved, and what was restored
+    def pause_hang_check(self, paused: bool) -> None:
+        """Between a framework's steps (its evaluation, logging and checkpoints run there):
+        paused from the step boundary to the next step's start, so that the agent's hang
+        check times the steps only (``ElasticLoop.no_hang_check`` for own loops)."""
+        beacon = self._loop._guard.beacon
+        if beacon is None or paused == self._hang_check_paused:
+            return
+        self._hang_check_paused = paused
+        if paused:
+            beacon.pause()
+        else:
+            beacon.resume()
+
     def track(self, **named: Stateful) -> None:
         """Add to what the loop saves objects that exist only after ``restore`` (a
         framework creates its optimizer and scheduler when training starts); their
