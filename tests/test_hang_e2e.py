@@ -73,15 +73,31 @@ def test_a_stopped_worker_is_found_and_killed_and_the_round_trains_again_in_seco
     print(f"stopped worker: training again after {took:.2f}s")
 
 
-def loop_spec(tmp: Path, how: str, *, nnodes: str = "2:3") -> JobSpec:
+def loop_spec(tmp: Path, how: str, *, nnodes: str = "2:3", nproc: int = 2) -> JobSpec:
+    """Two workers per node: the one that hangs, and a neighbour that waits for it in the
+    collective (the evidence that running outside one is a hang: ``hang.py``)."""
     return JobSpec(command=["-m", "elastic_ext.warm", str(HANG_SCRIPT),
                             str(tmp / "metrics.jsonl"), str(STEPS), how, str(tmp / "hung")],
-                   nnodes=nnodes, run_id=f"hang-{how}", max_restarts=0,
+                   nnodes=nnodes, nproc_per_node=nproc, run_id=f"hang-{how}", max_restarts=0,
                    rdzv_conf="last_call_timeout=5")
 
 
-def first_step_after(tmp: Path, at: float, world: int) -> dict[str, Any]:
-    return wait_for_step(tmp / "metrics.jsonl", after=at + 0.3, world_size=world, timeout=60)
+def first_step_after(tmp: Path, at: float, world: int, job: LocalJob | None = None
+                     ) -> dict[str, Any]:
+    """The first step at ``world`` after ``at``; on a timeout, what the agents and the
+    loop logged."""
+    try:
+        return wait_for_step(tmp / "metrics.jsonl", after=at + 0.3, world_size=world,
+                             timeout=60)
+    except TimeoutError:
+        seen = [(e["event"], e["step"], e["world_size"]) for e in
+                read_json_lines(tmp / "metrics.jsonl") if e["event"] != "step"]
+        agents = [(n.name, e["event"], e.get("why") or e.get("note") or "")
+                  for n in (job.nodes if job else []) for e in n.events()
+                  if e["event"] != "started"]
+        outputs = [n.proc.output()[-2000:] for n in (job.nodes if job else [])]
+        raise AssertionError(f"no step at world size {world}: {seen}\n{agents}\n{outputs}"
+                             ) from None
 
 
 def check_steps(tmp: Path) -> None:
@@ -99,17 +115,17 @@ def test_a_worker_spinning_in_python_is_blamed_killed_and_twice_takes_its_node_o
     with LocalJob(loop_spec(tmp_path, "spin-twice"), tmp_path).start(3) as job:
         marker = tmp_path / "hung"
         wait_until(marker.exists, 120, what="the first hang")
-        took = first_step_after(tmp_path, marker.stat().st_mtime, 3)["time"] \
+        took = first_step_after(tmp_path, marker.stat().st_mtime, 6, job)["time"] \
             - marker.stat().st_mtime
         assert took < 8.0, f"training again {took:.1f}s after the hang"
         wait_until(lambda: marker.read_text() == "xx", 60, what="the second hang")
-        second = marker.stat().st_mtime
-        first_step_after(tmp_path, second, 2)
         culprit = next(n for n in job.nodes if agent_events(n, "hung"))
+        wait_until(lambda: agent_events(culprit, "left_on_notice"), 60,
+                   what=f"the culprit's node to leave: {culprit.events()[-3:]}")
+        first_step_after(tmp_path, marker.stat().st_mtime, 4, job)
         hung = agent_events(culprit, "hung")
         assert len(hung) == 2 and all("not in a collective" in h["why"]
                                       and "hang_loop.py" in h["why"] for h in hung), hung
-        assert agent_events(culprit, "left_on_notice"), culprit.events()
         others = [n for n in job.nodes if n is not culprit]
         codes = [n.proc.wait(timeout=180) for n in others]
         assert codes == [0, 0], [n.proc.output()[-3000:] for n in others]
@@ -125,7 +141,7 @@ def test_a_worker_blocked_in_a_call_that_never_returns_is_blamed_and_killed(
     with LocalJob(loop_spec(tmp_path, "sleep"), tmp_path).start(3) as job:
         marker = tmp_path / "hung"
         wait_until(marker.exists, 120, what="the hang")
-        took = first_step_after(tmp_path, marker.stat().st_mtime, 3)["time"] \
+        took = first_step_after(tmp_path, marker.stat().st_mtime, 6)["time"] \
             - marker.stat().st_mtime
         assert took < 8.0, f"training again {took:.1f}s after the hang"
         codes = [n.proc.wait(timeout=180) for n in job.nodes]

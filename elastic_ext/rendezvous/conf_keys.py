@@ -61,6 +61,9 @@ CONF_KEYS: dict[str, tuple[str, str]] = {
                          "trainer, the HF and Lightning callbacks)"),
     "hang_floor": ("2.0", "seconds without a finished step that are never a hang"),
     "hang_factor": ("10", "how many recent step times without a finished step make a hang"),
+    "hang_busy": ("60", "seconds without a finished step after which a gloo node whose "
+                        "workers all run outside collectives (an evaluation not in "
+                        "`no_hang_check()`, or a stuck rank of a one-worker node) is hung"),
     "hang_startup": ("300", "seconds a round's first two steps may take (restore, "
                             "compilation, the first batches) before it is hung"),
     "reach_timeout": ("0.75", "seconds a node spends at most, when its round closes and "

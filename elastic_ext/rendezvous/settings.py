@@ -342,5 +342,7 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
                        factor=_number("hang_factor", conf.get("hang_factor", 10), minimum=1),
                        startup=_number("hang_startup", conf.get("hang_startup", 300),
                                        minimum=1),
+                       busy=_number("hang_busy", conf.get("hang_busy", 60), minimum=1),
+                       peers_judged=timeouts.heartbeat + timeouts.heartbeat_interval + 0.5,
                        enabled=_on_off("hang_check", conf.get("hang_check", "on"))),
     )

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from elastic_ext.agent.control import AgentControl
+from elastic_ext.procinfo import pid_alive
 from elastic_ext.rendezvous.agent.events import EventKind, EventLog
 from elastic_ext.rendezvous.agent.notices import NoticeRelay
 from elastic_ext.rendezvous.agent.presence import (
@@ -54,8 +55,16 @@ from elastic_ext.rendezvous.stores.contract import StoreBackend
 logger = logging.getLogger(__name__)
 
 
-def kill_quietly(pid: int) -> None:
-    """SIGKILL ``pid`` (it may have exited meanwhile)."""
+STOP_GRACE_S = 3.5
+"""After a hang, how long this node's other workers get to leave on torch's SIGTERM (the
+workers' own stop grace is 3 s) before they are killed too."""
+
+
+def kill_quietly(pid: int, *, only_if_alive: bool = False) -> None:
+    """SIGKILL ``pid`` (it may have exited meanwhile: then nothing, and with
+    ``only_if_alive`` not a word)."""
+    if only_if_alive and not pid_alive(pid):
+        return
     try:
         os.kill(pid, signal.SIGKILL)
         logger.warning("etcd-ext: killed hung worker pid %d", pid)
@@ -191,6 +200,17 @@ class Keeper:
         for culprit in hung.culprits:
             if culprit.killable:
                 kill_quietly(culprit.pid)
+        # A worker that is not a culprit leaves on torch's SIGTERM at once (told the peers
+        # are lost); one still there after the stop grace is stuck too: torch would wait
+        # 30 s for it.
+        rest = [pid for pid in hung.workers if pid not in {c.pid for c in hung.culprits}]
+        def kill_the_rest() -> None:
+            for pid in rest:
+                kill_quietly(pid, only_if_alive=True)
+
+        timer = threading.Timer(STOP_GRACE_S, kill_the_rest)
+        timer.daemon = True
+        timer.start()
         if hung.unkillable or leave:
             why = ("a worker cannot be killed" if hung.unkillable
                    else f"blamed for {BLAMES_TO_LEAVE} hangs in a row")

@@ -11,12 +11,16 @@ inside ``ElasticLoop.no_hang_check()`` stops the clock.
 
 Blame is local: a worker is the culprit when it is stopped (``T``), in uninterruptible
 sleep (``D``: it cannot be killed), runs no Python (its beacon thread is silent: the GIL
-is held or deadlocked), or, on gloo, is not inside a collective while the round waits
-(gloo's collectives block the calling thread, so every healthy rank of a hung round is in
-one). On NCCL a healthy rank waits in a CUDA synchronisation called from anywhere, so the
-last rule does not apply there (the flight recorder names the rank: docs/failure-model.md).
+is held or deadlocked), or, on gloo, is not inside a collective while another worker of
+its node waits in one (gloo's collectives block the calling thread, so every healthy rank
+of a hung round is in one). A gloo node whose workers all run outside collectives gets
+``busy`` (60 s): from there one rank's endless loop and the whole round's evaluation look
+the same, and the nodes whose workers wait judge first. On NCCL a healthy rank waits in a
+CUDA synchronisation called from anywhere, so the last rules do not apply there (the
+flight recorder names the rank: docs/failure-model.md).
 A node with no culprit waits ``NO_CULPRIT_WAIT_S`` longer before it judges, so that the
-culprit's node, which leaves for free, opens the next round.
+culprit's node, which leaves for free, opens the next round. Time the agent itself did
+not run (``LATE_OBSERVATION_S``: a starved machine) does not count.
 """
 
 from __future__ import annotations
@@ -31,6 +35,11 @@ the round hung (the culprit's node judges first and its round is free)."""
 SILENT_BEACON_S = 1.5
 """A worker whose beacon thread wrote nothing for this long runs no Python."""
 
+LATE_OBSERVATION_S = 0.5
+"""The agent observes every 0.1 s (torch's monitor interval); a gap longer than this means
+the agent itself was starved (an overloaded machine), and the gap's time is not counted
+against the workers: a judge that may be the slow one does not judge on it."""
+
 BLAMES_TO_LEAVE = 2
 """Hangs in a row blamed on this node's workers after which the node leaves the job."""
 
@@ -42,7 +51,12 @@ class HangRules:
     floor: float = 2.0
     factor: float = 10.0
     startup: float = 300.0
+    busy: float = 60.0  # a gloo node whose workers all run outside collectives
     enabled: bool = True
+    peers_judged: float = 0.0
+    """When a dead or frozen peer node is judged from its heartbeat (``heartbeat_timeout``
+    + one interval): a hang nobody here is to blame for waits at least this long, so that
+    a peer's death, which is free, is found first instead of charged as a hang."""
 
     def limit(self, step_s: float | None, steps_in_round: int) -> float:
         """Seconds without a finished step that make the round hung."""
@@ -84,14 +98,18 @@ class Hung:
 
     why: str
     culprits: tuple[Culprit, ...] = ()
+    workers: tuple[int, ...] = ()  # every local worker's pid: those still there after the
+    # stop grace are killed too (a deadlock the rules could not name)
 
     @property
     def unkillable(self) -> tuple[Culprit, ...]:
         return tuple(c for c in self.culprits if not c.killable)
 
 
-def culprit_of(beacon: Beacon) -> Culprit | None:
-    """Why ``beacon``'s worker is to blame for a hang, if it is."""
+def culprit_of(beacon: Beacon, *, peers_wait: bool = True) -> Culprit | None:
+    """Why ``beacon``'s worker is to blame for a hang, if it is; ``peers_wait``: another
+    worker of its node waits in a collective (the evidence that running outside one is a
+    hang, not the whole round's evaluation)."""
     rank = f"local rank {beacon.local_rank} (pid {beacon.pid})"
     if beacon.process in ("T", "t"):
         return Culprit(beacon.local_rank, beacon.pid, f"{rank} is stopped (SIGSTOP or a "
@@ -106,7 +124,7 @@ def culprit_of(beacon: Beacon) -> Culprit | None:
         return Culprit(beacon.local_rank, beacon.pid,
                        f"{rank} runs no Python for {beacon.silent_s:.1f}s (the GIL is held "
                        f"or deadlocked; last seen at {beacon.where or 'an unknown place'})")
-    if beacon.backend == "gloo" and not beacon.waiting and not beacon.paused:
+    if beacon.backend == "gloo" and peers_wait and not beacon.waiting and not beacon.paused:
         return Culprit(beacon.local_rank, beacon.pid,
                        f"{rank} is not in a collective while its round waits: at "
                        f"{beacon.where or 'an unknown place'}")
@@ -124,6 +142,7 @@ class HangJudge:
     _last_step: int | None = None
     _judged: bool = False
     _limit: float | None = None  # the limit the last observation applied
+    _observed_at: float = 0.0  # when ``observe`` last ran
     _blamed_in_a_row: int = 0
     seen_beacons: bool = field(default=False)  # this round's workers beat at all
 
@@ -131,6 +150,7 @@ class HangJudge:
         """A new round: nothing finished in it yet, its clock starts now."""
         self.round, self._progress_at, self._last_step = round_, now, None
         self._judged, self.seen_beacons, self._limit = False, False, None
+        self._observed_at = 0.0
 
     def stalled_for(self, now: float) -> float:
         """Seconds since the watched round last made progress (0 without beacons)."""
@@ -145,6 +165,10 @@ class HangJudge:
         """This round's verdict after reading ``beacons`` at ``now``: once per round."""
         if self.round is None or self._judged or not self.rules.enabled:
             return None
+        late = now - self._observed_at - LATE_OBSERVATION_S if self._observed_at else 0.0
+        self._observed_at = now
+        if late > 0:  # this agent itself did not run on time: that time proves nothing
+            self._progress_at += late
         mine = [b for b in beacons if b.round == self.round]
         if not mine:
             return None
@@ -156,16 +180,28 @@ class HangJudge:
         if any(b.paused for b in mine) or step != self._last_step:
             self._last_step, self._progress_at = step, now
             return None
-        culprits = tuple(c for c in map(culprit_of, mine) if c is not None)
+        waiting = [b for b in mine if b.waiting]
+        culprits = tuple(c for b in mine if (c := culprit_of(
+            b, peers_wait=any(w is not b for w in waiting))) is not None)
+        if not culprits and not waiting and all(b.backend == "gloo" for b in mine):
+            # Every worker runs outside a collective: the whole round's evaluation (without
+            # ``no_hang_check``) looks the same from here as one rank's endless loop; the
+            # nodes whose workers wait for it judge the hang, this one only much later.
+            limit = max(limit, self.rules.busy)
         stalled = now - self._progress_at
-        if stalled < limit + (0.0 if culprits else NO_CULPRIT_WAIT_S):
+        if stalled < (limit if culprits else
+                      max(limit + NO_CULPRIT_WAIT_S, self.rules.peers_judged)):
             return None
         self._judged = True
         self._blamed_in_a_row = self._blamed_in_a_row + 1 if culprits else 0
         why = f"no training step for {stalled:.1f}s (limit {limit:.1f}s) after step {step}"
         if culprits:
             why += ": " + "; ".join(c.how for c in culprits)
-        return Hung(why, culprits)
+        else:
+            why += (" and no worker of this node is to blame (if it was a known long pause, "
+                    "such as an evaluation, wrap it in ElasticLoop.no_hang_check() or raise "
+                    "--rdzv-conf hang_floor)")
+        return Hung(why, culprits, tuple(b.pid for b in mine))
 
     @property
     def leave_the_job(self) -> bool:
