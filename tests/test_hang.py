@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from elastic_ext.agent.control import AgentControl
 from elastic_ext.control_channel import CONTROL_DIR_ENV
-from elastic_ext.rendezvous.agent import keeper as keeper_module
+from elastic_ext.rendezvous.agent import hung_workers as hung_workers_module
 from elastic_ext.rendezvous.agent.events import EventLog
 from elastic_ext.rendezvous.agent.keeper import Keeper
 from elastic_ext.rendezvous.protocol.hang import (
@@ -118,7 +118,7 @@ def test_a_node_without_a_culprit_waits_longer_than_the_culprits_node() -> None:
     ({"process": "T"}, "is stopped"),
     ({"process": "t"}, "is stopped"),
     ({"process": "D"}, "cannot be killed"),
-    ({"silent_s": 3.0}, "runs no Python"),
+    ({"silent_s": 3.1}, "runs no Python"),
     ({"waiting": False, "where": "train.py:9 load"}, "not in a collective while its round "
                                                       "waits: at train.py:9 load"),
 ])
@@ -134,6 +134,7 @@ def test_what_makes_a_worker_the_culprit(change: dict[str, object], how: str) ->
     {"process": "Z"},
     {"backend": "nccl", "waiting": False},  # NCCL waits in a CUDA sync called from anywhere
     {"waiting": False, "paused": True},
+    {"silent_s": 2.9},  # a busy machine's scheduler, not a deadlock
 ])
 def test_what_does_not(change: dict[str, object]) -> None:
     assert culprit_of(replace(HEALTHY, **change)) is None  # type: ignore[arg-type]
@@ -294,7 +295,7 @@ def test_the_keeper_kills_the_culprit_at_once_and_a_worker_still_there_after_the
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two stand-in workers: a stopped culprit (SIGKILL now: a stopped process never acts
     on torch's SIGTERM) and one that ignores SIGTERM (killed after the stop grace)."""
-    monkeypatch.setattr(keeper_module, "STOP_GRACE_S", 0.3)
+    monkeypatch.setattr(hung_workers_module, "STOP_GRACE_S", 0.3)
     keeper = Keeper(MemoryBackend(MemoryStore()), "me", interval=1.0, timeout=30.0,
                     limits=Limits(1, 2, 1.0, None), control=AgentControl(tmp_path / "ctl"),
                     events=EventLog("run1", "me", "127.0.0.1", None))
@@ -346,3 +347,16 @@ def test_the_settings_wait_for_the_heartbeat_verdict() -> None:
     settings = parse_settings(endpoint="127.0.0.1:2379", run_id="r", min_nodes=1, max_nodes=2,
                               conf={"hang_floor": "1.5", "heartbeat_timeout": "5"})
     assert settings.hang.floor == 1.5 and settings.hang.peers_judged == 5 + 1.0 + 0.5
+
+
+def test_a_worker_that_leaves_says_so_at_once(tmp_path: Path) -> None:
+    """Its process may end before the next beat: the last word on file must be "paused",
+    or the agent would take the silence of an exiting worker for a deadlock."""
+    beacon = ProgressBeacon(tmp_path, 0, interval=60.0)  # no beat would come in time
+    beacon._thread.start()
+    beacon.step()
+    beacon.close()
+    record = json.loads((tmp_path / "beat-0").read_text())
+    assert record["paused"] is True and record["step"] == 1
+    beacon._thread.join(timeout=5)
+    assert not beacon._thread.is_alive()

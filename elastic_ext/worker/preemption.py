@@ -231,7 +231,7 @@ class PreemptionGuard:
         with self._lock:
             if phase is not GuardPhase.RUNNING and self._phase is GuardPhase.RUNNING \
                     and self.beacon is not None:
-                self.beacon.pause()  # a commit or a hold is not a hang: this worker leaves
+                self.beacon.close()  # a commit or a hold is not a hang: this worker leaves
             self._phase = phase
 
     def _keep(self, why: str) -> None:

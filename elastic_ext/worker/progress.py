@@ -57,6 +57,7 @@ class ProgressBeacon:
         self._paused = 0
         self._pause_began = 0.0
         self._stopped = threading.Event()
+        self._write_lock = threading.Lock()  # one writer of the file at a time
         self._main = threading.main_thread().ident
         self._thread = threading.Thread(target=self._run, name="etcd-ext-beacon", daemon=True)
 
@@ -104,7 +105,17 @@ class ProgressBeacon:
             self.resume()
 
     def close(self) -> None:
-        self._stopped.set()
+        """This worker leaves (it commits or holds, then exits): no more steps, so its last
+        word, written now and not at the next beat (the process may end first), is that
+        it is paused, and its silence after that blames nobody."""
+        with self._write_lock:  # after the thread's last write, never before it
+            self._stopped.set()
+            with self._lock:
+                self._paused += 1
+            try:
+                atomic_write(self._path, json.dumps(self._record()))
+            except OSError:
+                pass
 
     def _record(self) -> dict[str, object]:
         frame = sys._current_frames().get(self._main) if self._main is not None else None
@@ -125,7 +136,10 @@ class ProgressBeacon:
     def _run(self) -> None:
         while not self._stopped.wait(self._interval):
             try:
-                atomic_write(self._path, json.dumps(self._record()))
+                with self._write_lock:
+                    if self._stopped.is_set():
+                        return
+                    atomic_write(self._path, json.dumps(self._record()))
             except OSError:  # the agent removed its directory: it is leaving
                 return
             except Exception:  # never let the beacon take the worker down

@@ -23,15 +23,13 @@ store, asks the pure deciders (``watcher.py`` judges, ``pressure.py`` weighs the
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from elastic_ext.agent.control import AgentControl
-from elastic_ext.procinfo import pid_alive
 from elastic_ext.rendezvous.agent.events import EventKind, EventLog
+from elastic_ext.rendezvous.agent.hung_workers import stop_hung_workers
 from elastic_ext.rendezvous.agent.notices import NoticeRelay
 from elastic_ext.rendezvous.agent.presence import (
     PresenceListener,
@@ -43,7 +41,7 @@ from elastic_ext.rendezvous.agent.presence_book import PresenceBook
 from elastic_ext.rendezvous.agent.run_view import RunView
 from elastic_ext.rendezvous.errors import CorruptStateError
 from elastic_ext.rendezvous.protocol.clock import SYSTEM_CLOCK, Clock
-from elastic_ext.rendezvous.protocol.hang import BLAMES_TO_LEAVE, HangRules
+from elastic_ext.rendezvous.protocol.hang import HangRules
 from elastic_ext.rendezvous.protocol.liveness import Liveness, Verdict
 from elastic_ext.rendezvous.protocol.policy import Limits
 from elastic_ext.rendezvous.protocol.pressure import Action, Pressure, RoundPressure, TellLost
@@ -53,23 +51,6 @@ from elastic_ext.rendezvous.settings import Settings
 from elastic_ext.rendezvous.stores.contract import StoreBackend
 
 logger = logging.getLogger(__name__)
-
-
-STOP_GRACE_S = 3.5
-"""After a hang, how long this node's other workers get to leave on torch's SIGTERM (the
-workers' own stop grace is 3 s) before they are killed too."""
-
-
-def kill_quietly(pid: int, *, only_if_alive: bool = False) -> None:
-    """SIGKILL ``pid`` (it may have exited meanwhile: then nothing, and with
-    ``only_if_alive`` not a word)."""
-    if only_if_alive and not pid_alive(pid):
-        return
-    try:
-        os.kill(pid, signal.SIGKILL)
-        logger.warning("etcd-ext: killed hung worker pid %d", pid)
-    except (ProcessLookupError, PermissionError) as exc:
-        logger.info("etcd-ext: could not kill hung worker pid %d: %s", pid, exc)
 
 
 class Keeper:
@@ -195,27 +176,7 @@ class Keeper:
             leave = self._rounds.hang.leave_the_job
         if hung is None:
             return
-        self._events.emit(EventKind.HUNG, f"round hung: {hung.why}", why=hung.why,
-                          culprits=[c.how for c in hung.culprits])
-        for culprit in hung.culprits:
-            if culprit.killable:
-                kill_quietly(culprit.pid)
-        # A worker that is not a culprit leaves on torch's SIGTERM at once (told the peers
-        # are lost); one still there after the stop grace is stuck too: torch would wait
-        # 30 s for it.
-        rest = [pid for pid in hung.workers if pid not in {c.pid for c in hung.culprits}]
-        def kill_the_rest() -> None:
-            for pid in rest:
-                kill_quietly(pid, only_if_alive=True)
-
-        timer = threading.Timer(STOP_GRACE_S, kill_the_rest)
-        timer.daemon = True
-        timer.start()
-        if hung.unkillable or leave:
-            why = ("a worker cannot be killed" if hung.unkillable
-                   else f"blamed for {BLAMES_TO_LEAVE} hangs in a row")
-            logger.error("etcd-ext: this node leaves the job: %s (%s)", why, hung.why)
-            self._control.leave_the_job(f"hang: {why}")
+        stop_hung_workers(hung, leave_the_job=leave, events=self._events, control=self._control)
 
     def check_worker_report(self) -> None:
         """Act on a worker's peer-fault report now rather than at the next tick: the agent

@@ -32,8 +32,11 @@ NO_CULPRIT_WAIT_S = 1.0
 """How much longer a node that finds no culprit among its workers waits before it judges
 the round hung (the culprit's node judges first and its round is free)."""
 
-SILENT_BEACON_S = 1.5
-"""A worker whose beacon thread wrote nothing for this long runs no Python."""
+SILENT_BEACON_S = 3.0
+"""A worker whose beacon thread (a beat every 0.25 s) wrote nothing for this long runs no
+Python: its GIL is held or deadlocked. Long enough that a busy machine's scheduler does
+not make a culprit of a thread that only waited for a core (a node with no culprit waits
+``peers_judged``, 4.5 s on etcd, so a deadlock is still blamed before that)."""
 
 LATE_OBSERVATION_S = 0.5
 """The agent observes every 0.1 s (torch's monitor interval); a gap longer than this means
