@@ -118,16 +118,24 @@ class ProcessSet:
         self.procs.append(proc)
         return proc
 
-    def cleanup(self) -> None:
-        for proc in self.procs:
-            pids = proc.pids()
-            signal_pids(pids, signal.SIGCONT)
-            signal_pids(pids, signal.SIGKILL)
+    def cleanup(self, timeout: float = 10.0) -> None:
+        """SIGKILL every process of the set, again until none is left: one that was being
+        forked while the first round was sent (a warm-start server's new worker, an agent's
+        new launcher) is not in that round's list."""
+        deadline = time.monotonic() + timeout
+        while True:
+            leftovers = [p for proc in self.procs for p in proc.pids()]
+            if not leftovers:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes survived cleanup: {leftovers}")
+            signal_pids(leftovers, signal.SIGCONT)
+            signal_pids(leftovers, signal.SIGKILL)
+            for proc in self.procs:
+                proc.popen.poll()  # reap our own children: a zombie is not a survivor
+            time.sleep(0.05)
         for proc in self.procs:
             try:
-                proc.popen.wait(timeout=10)
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        leftovers = [p for proc in self.procs for p in proc.pids()]
-        if leftovers:
-            raise RuntimeError(f"processes survived cleanup: {leftovers}")
