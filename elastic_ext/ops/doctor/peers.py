@@ -226,6 +226,11 @@ class Meeting:
                 continue
         return found
 
+    def _readers(self) -> set[str]:
+        """The doctors that have read every result they waited for."""
+        return {kv.key.decode().rsplit("/", 1)[-1]
+                for kv in self._client.get_prefix(self._prefix + "read/")}
+
     def _poll(self, done: Callable[[], bool], deadline: float) -> bool:
         """``done()`` until it holds or ``deadline``; whether it held."""
         stop = threading.Event()
@@ -270,8 +275,13 @@ class Meeting:
                 findings.append(Finding("network", SKIP, "no probe results from "
                                         f"{', '.join(missing)} within the deadline: judged "
                                         "on the others'"))
-            return findings + judge(peers, {k: v for k, v in results.items() if k in peers},
-                                    self._clock_limit)
+            verdict = findings + judge(peers, {k: v for k, v in results.items() if k in peers},
+                                       self._clock_limit)
+            # Leaving revokes the lease, which removes this doctor's result: wait until every
+            # peer has read them all (a slower one polls), or the same deadline.
+            self._client.put(self._prefix + "read/" + self.key, b"1", lease=lease)
+            self._poll(lambda: set(peers) <= self._readers(), settle)
+            return verdict
         finally:
             server.close()
             with contextlib.suppress(Exception):
