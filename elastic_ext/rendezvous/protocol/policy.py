@@ -191,9 +191,11 @@ def _reports(view: View, state: RunState | None = None) -> dict[str, tuple[str, 
 
 def _decide_open(state: RunState, view: View, limits: Limits) -> Decision:
     dead_members = (set(state.members) & view.dead) - {view.me}
-    if dead_members:
+    if dead_members:  # a death is free: the round is a membership change from here on,
+        # even if the node comes back before it closes (a frozen node that wakes up)
         return Write(replace(
             state, members=_without(state.members, dead_members),
+            opened_because=Reason.MEMBERSHIP,
             note=f"dropped dead {sorted(dead_members)} from round {state.round}"))
     leaving_members = set(state.members) & set(state.leaving)
     if leaving_members:
