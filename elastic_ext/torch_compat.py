@@ -29,6 +29,8 @@ SIGNAL_EXCEPTION = "torch.distributed.elastic.multiprocessing.api.SignalExceptio
 EXIT_BARRIER_KEY = "torch.distributed.elastic.agent.server.api._TERMINAL_STATE_SYNC_ID"
 BARRIER_CHECK_IN = "torch.distributed.elastic.utils.store._barrier_nonblocking"
 BACKEND_ERROR = "torch._C._distributed_c10d.Backend.get_error"
+DDP_RUNTIME_STATS = "torch.nn.parallel.DistributedDataParallel._get_ddp_logging_data"
+DDP_SAMPLE_RATE = "torch.nn.parallel.DistributedDataParallel._set_ddp_runtime_logging_sample_rate"
 
 STOPPED_LINE = ("torchrun stopped by {signal}: its workers got it too (the bundled trainer, and "
                 "loops using elastic_ext.worker.preemption, save a snapshot and exit 0); torchrun "
@@ -190,6 +192,25 @@ def communicator_error(group: Any = None) -> str | None:
         return None
     error = get_error()
     return None if error.name == "SUCCESS" else str(error.name)
+
+
+def time_every_ddp_step(ddp: Any) -> None:
+    """Have DDP's reducer time its forward and backward compute at every step
+    (``DDP_SAMPLE_RATE``; by default the first ten, then one in a hundred). On a GPU it times
+    them with CUDA events, read when the next step starts, after the step's device work
+    finished anyway; on the CPU with the wall clock."""
+    ddp._set_ddp_runtime_logging_sample_rate(1)
+
+
+def ddp_own_seconds(ddp: Any) -> tuple[int, float] | None:
+    """(the iteration DDP last timed, its forward + backward compute in seconds), without
+    the time the backward waited for the other ranks' gradients; None before DDP timed one
+    (``DDP_RUNTIME_STATS``, a prototype interface of DDP's)."""
+    stats = ddp._get_ddp_logging_data()
+    forward, backward = stats.get("forward_compute_time"), stats.get("backward_compute_time")
+    if not isinstance(forward, int) or not isinstance(backward, int) or forward + backward <= 0:
+        return None
+    return int(stats.get("iteration", 0)), (forward + backward) / 1e9
 
 
 def matches_machine_hostname(host: str) -> bool:

@@ -54,7 +54,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=200, help="optimizer steps in all")
     p.add_argument("--global-batch-size", type=int, default=12,
-                   help="samples per step, all ranks together (split among the ranks)")
+                   help="samples per batch, all ranks together (split among the ranks); "
+                        "a step trains --accumulate batches")
     p.add_argument("--seed", type=int, default=0, help="the Trainer's seed")
     p.add_argument("--snapshot-dir", type=Path, default=None, help="durable snapshots here")
     p.add_argument("--snapshot-every", type=int, default=0, help="a snapshot every K steps")
@@ -64,6 +65,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--save-steps", type=int, default=50)
     p.add_argument("--metrics", type=Path, default=None, help="JSON-lines events (rank 0)")
     p.add_argument("--step-delay", type=float, default=0.0, help="seconds added to each step")
+    p.add_argument("--accumulate", type=int, default=1,
+                   help="batches per optimizer step (gradient_accumulation_steps)")
     p.add_argument("--model-size", default="tiny",
                    help="accepted for the chaos harness's trainer contract; one model here")
     return p.parse_args()
@@ -80,6 +83,7 @@ def main() -> None:
     training = TrainingArguments(
         output_dir=str(output_dir), max_steps=args.steps, save_steps=args.save_steps,
         per_device_train_batch_size=max(1, args.global_batch_size // elastic.loop.world_size),
+        gradient_accumulation_steps=args.accumulate,
         learning_rate=1e-3, logging_steps=10, report_to=[], dataloader_num_workers=0,
         disable_tqdm=True, seed=args.seed, use_cpu=elastic.loop.device.type == "cpu")
     trainer = Trainer(model=model, args=training, train_dataset=RandomTokens(4096, 32, 128),

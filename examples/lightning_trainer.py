@@ -64,13 +64,16 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=200, help="optimizer steps in all")
     p.add_argument("--global-batch-size", type=int, default=12,
-                   help="samples per step, all ranks together (split among the ranks)")
+                   help="samples per batch, all ranks together (split among the ranks); "
+                        "a step trains --accumulate batches")
     p.add_argument("--seed", type=int, default=0, help="the data order's seed")
     p.add_argument("--snapshot-dir", type=Path, default=None, help="durable snapshots here")
     p.add_argument("--snapshot-every", type=int, default=0, help="a snapshot every K steps")
     p.add_argument("--metrics", type=Path, default=None, help="JSON-lines events (rank 0)")
     p.add_argument("--step-delay", type=float, default=0.0, help="seconds added to each step")
     p.add_argument("--model-size", choices=sorted(WIDTH), default="tiny")
+    p.add_argument("--accumulate", type=int, default=1,
+                   help="batches per optimizer step (Lightning's accumulate_grad_batches)")
     return p.parse_args()
 
 
@@ -88,7 +91,8 @@ def main() -> None:
         accelerator="gpu" if elastic.loop.device.type == "cuda" else "cpu", strategy="ddp",
         devices=elastic.devices, num_nodes=elastic.num_nodes,  # elastic-ext
         use_distributed_sampler=False,  # elastic-ext: the batch sampler below
-        max_steps=args.steps, callbacks=[elastic, StepDelay(args.step_delay)],  # elastic-ext
+        max_steps=args.steps, accumulate_grad_batches=args.accumulate,
+        callbacks=[elastic, StepDelay(args.step_delay)],  # elastic-ext: elastic
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=args.snapshot_dir)
     loader = DataLoader(data, batch_sampler=elastic.batch_sampler(  # elastic-ext

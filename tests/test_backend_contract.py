@@ -25,6 +25,7 @@ from elastic_ext.net import free_port
 from elastic_ext.rendezvous.protocol.clock import SystemClock
 from elastic_ext.rendezvous.protocol.head import Head, Seat
 from elastic_ext.rendezvous.protocol.liveness import LEFT
+from elastic_ext.rendezvous.protocol.pace import Pace
 from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, RunState
 from elastic_ext.rendezvous.settings import Settings
 from elastic_ext.rendezvous.stores.c10d.backend import C10dBackend
@@ -36,7 +37,7 @@ from elastic_ext.rendezvous.stores.contract import (
     StoreBackend,
 )
 from elastic_ext.rendezvous.stores.etcd.backend import EtcdBackend
-from elastic_ext.rendezvous.stores.wire import STATE_KEY
+from elastic_ext.rendezvous.stores.wire import STATE_KEY, pace_of, presence_port_of
 from tests.support.memory_backend import MemoryBackend, MemoryStore
 from tests.support.stores import plant_etcd_state, settings_for
 
@@ -396,6 +397,20 @@ def test_a_keeper_read_beats_and_reads_what_a_keeper_needs(make_backend) -> None
             break
         time.sleep(0.01)
     assert [n for n in many if beats[n] is not None] == many[:6]
+
+
+def test_a_keepers_beat_carries_its_pace_to_whoever_reads_its_heartbeat(make_backend) -> None:
+    """Stragglers are judged from the paces in the heartbeats (``protocol/straggler.py``);
+    the presence port travels beside the pace, and a beat without one carries none."""
+    agent, watcher = make_backend(), make_backend()
+    agent.keeper_read("me", 4343, [], pace=Pace(0.08, 0.05))
+    beat = watcher.read_beats(["me"])["me"]
+    assert pace_of(beat) == Pace(0.08, 0.05) and presence_port_of(beat) == 4343
+    agent.beat("me", None, Pace(0.2))
+    beat = watcher.read_beats(["me"])["me"]
+    assert pace_of(beat) == Pace(0.2, None) and presence_port_of(beat) is None
+    agent.beat("me", 4343)
+    assert pace_of(watcher.read_beats(["me"])["me"]) is None
 
 
 def test_the_state_after_a_version_is_that_version_or_a_newer_one(make_backend) -> None:

@@ -8,12 +8,18 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
+import os
+import sys
+import time
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 
 from elastic_ext.chaos import cli, matrix
+from elastic_ext.chaos.inject import InjectionError, Injector
 from elastic_ext.chaos.invariants import (
     CONSISTENT,
     HARNESS,
@@ -32,9 +38,10 @@ from elastic_ext.chaos.reference import cache_key, trainer_args
 from elastic_ext.chaos.report import summary
 from elastic_ext.chaos.runner import RunResult, trigger_met
 from elastic_ext.chaos.scenario import Action, ScenarioError, Trigger, parse
+from elastic_ext.chaos.throttle import DutyCycle
 from elastic_ext.jsonlines import JsonLinesTail
-from elastic_ext.local.job import Node
-from elastic_ext.local.processes import Proc
+from elastic_ext.local.job import JobSpec, LocalJob, Node
+from elastic_ext.local.processes import Proc, ProcessSet, wait_until
 from elastic_ext.ops.runlog import durable_snapshots, split_segments, step_rate
 from elastic_ext.rendezvous.agent.events import EventKind, EventLog
 
@@ -387,3 +394,125 @@ def test_docs_name_every_setting_scenario_and_action() -> None:
                   "when stopped"):
         assert words in docs, words
     assert " ".join(matrix.CI) in docs
+
+
+# ------------------------------------------------------------------------- the slow fault
+@pytest.mark.parametrize("line, action", [
+    ("slow node other", Action("slow", "other", fraction=1 / 3, period=0.03)),
+    ("slow node 1 to 1/4 every 50ms for 20s",
+     Action("slow", "1", duration=20.0, fraction=0.25, period=0.05)),
+    ("slow node rank0 to 40% every 0.1s", Action("slow", "rank0", fraction=0.4, period=0.1)),
+    ("slow node 2 to .5", Action("slow", "2", fraction=0.5, period=0.03)),
+])
+def test_the_slow_fault_parses_with_its_defaults_and_describes_itself_back(
+        line: str, action: Action) -> None:
+    fault = parse(f"at step 3: {line}\n").faults[0]
+    assert fault.action == action and not fault.action.crash
+    assert parse(fault.describe() + "\n").faults[0].action == action
+
+
+@pytest.mark.parametrize("line, message", [
+    ("slow node all", "slow needs one node"),
+    ("slow node 1 to 3/2", "between 0 and 1"),
+    ("slow node 1 to 0%", "between 0 and 1"),
+    ("slow node 1 to 1/0", "denominator"),
+    ("slow node 1 every 2ms", "too short"),
+])
+def test_a_bad_slow_fault_names_its_line(line: str, message: str) -> None:
+    with pytest.raises(ScenarioError, match="line 1") as info:
+        parse(f"at step 3: {line}\n")
+    assert message in str(info.value)
+
+
+BUSY = "import time\nwhile True:\n    pass\n"
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def state_of(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_the_duty_cycle_runs_its_processes_a_fraction_of_the_time_then_lets_them_go(
+        processes: ProcessSet) -> None:
+    """A busy process throttled to a quarter gets at most about that much CPU (less on a
+    busy machine), is stopped most of the time, and runs freely once the cycle stops; a pid
+    the lookup stops naming is continued at the end too."""
+    first = processes.spawn("busy-1", [sys.executable, "-c", BUSY])
+    second = processes.spawn("busy-2", [sys.executable, "-c", BUSY])
+    named = [first.pid]
+    cycle = DutyCycle(lambda: list(named), fraction=0.25, period=0.02, refresh=0.1).start()
+    try:
+        wait_until(lambda: cycle.cycles >= 3, 5, what="three cycles")
+        named[:] = [second.pid]
+        wait_until(lambda: second.pid in cycle.pids(), 5, what="the second process throttled")
+        before, began = cpu_seconds(second.pid), time.monotonic()
+        states = []
+        while time.monotonic() - began < 1.0:
+            states.append(state_of(second.pid))
+            time.sleep(0.003)  # sampling the state, not waiting for it
+        share = (cpu_seconds(second.pid) - before) / (time.monotonic() - began)
+        assert share < 0.5, f"a process throttled to 25% ran {share:.0%} of the time"
+        assert states.count("T") > len(states) / 2, "".join(states)
+    finally:
+        cycles = cycle.stop()
+    assert cycles >= 3 and not cycle.running
+    assert cycle.pids() == {first.pid, second.pid}
+
+    def running(pid: int) -> bool:
+        return state_of(pid) != "T"
+
+    for pid in (first.pid, second.pid):
+        wait_until(partial(running, pid), 2, what=f"{pid} continued")
+    before = cpu_seconds(second.pid)
+    wait_until(lambda: cpu_seconds(second.pid) > before + 0.05, 5, what="the process to run")
+
+
+def test_the_slow_fault_throttles_the_nodes_workers_not_its_agent(processes: ProcessSet,
+                                                                   tmp_path: Path) -> None:
+    """``Injector`` finds the node's workers as the other faults do (torchrun gives them
+    ``RANK``) and, with warm starts, the processes their beacons name (forked by the
+    warm-start server, without ``RANK``), but never a process of another node a stale
+    beacon names; it leaves the agent alone, and the undo speeds the node up for good."""
+    control = tmp_path / "control"
+    control.mkdir()
+    stranger = processes.spawn("stranger", [sys.executable, "-c", BUSY])
+    agent = processes.spawn("agent", [sys.executable, "-c", (
+        "import os, subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], env={{"
+        f"**os.environ, 'RANK': '1', 'ELASTIC_EXT_CONTROL_DIR': {str(control)!r}}})\n"
+        f"forked = subprocess.Popen([sys.executable, '-c', {BUSY!r}])\n"
+        f"open({str(control / 'forked')!r}, 'w').write(str(forked.pid))\n"
+        "time.sleep(60)\n")])
+    node = Node("node0", agent)
+    job = LocalJob(JobSpec(command=["-m", "trainer"]), tmp_path)
+    job.nodes.append(node)
+    launcher = wait_until(lambda: next(iter(node.worker_pids()), None), 10, what="a worker")
+
+    def forked_pid() -> str | None:
+        written = control / "forked"
+        return written.read_text() if written.exists() else None
+
+    forked = int(wait_until(forked_pid, 10, what="the forked pid"))
+    (control / "beat-0").write_text(json.dumps({"pid": forked}))
+    (control / "beat-1").write_text(json.dumps({"pid": stranger.pid}))  # a reused pid
+    injector = Injector(job, initial_nodes=1, snapshot_dir=tmp_path)
+    fault = parse("at step 1: slow node 0 to 1/5 every 20ms\n").faults[0]
+    record, undo = injector.inject(fault)
+    try:
+        assert record.verb == "slow" and not record.crash, record
+        assert f"{launcher}, {forked}" in record.detail or f"{forked}, {launcher}" in \
+            record.detail, record.detail
+        assert undo is not None and undo.due == math.inf and "node0" in injector.impaired
+        wait_until(lambda: state_of(forked) == "T", 2, what="the forked worker stopped")
+        assert injector.slowed["node0"].pids() == {launcher, forked}
+        with pytest.raises(InjectionError, match="already slowed"):
+            injector.inject(fault)
+    finally:
+        detail = undo.run() if undo is not None else ""
+    assert "node0 at full speed" in detail and not injector.slowed
+    assert "node0" not in injector.impaired
+    assert wait_until(lambda: state_of(forked) != "T", 2, what="the worker continued")

@@ -71,7 +71,7 @@ def test_the_leaving_node_is_told_and_the_others_restart_for_free() -> None:
     assert s is not None
     assert isinstance(decide(s, view("b", completed=(s.generation, 1)), LIMITS), Left)
     count, why, reason = restart_pressure(s, "a", frozenset(), LIMITS, (s.generation, 1), False)
-    assert (count, reason) == (1, Reason.MEMBERSHIP) and "leaving on a preemption notice: b" in why
+    assert (count, reason) == (1, Reason.MEMBERSHIP) and "left out): b" in why
 
 
 def test_the_next_round_closes_without_waiting_for_the_leaving_node() -> None:

@@ -110,7 +110,7 @@ LOOP_SURFACE = ["batches", "device", "device_ids", "finish", "framework", "mesh"
 FRAMEWORK_SURFACE = ["abandon_update", "batch_sampler", "batch_started", "begin_update",
                      "close", "closed", "end_update", "exit_on_peer_fault", "fail",
                      "global_ids", "held_step", "next_position", "pause_hang_check", "restored",
-                     "restored_age_s", "resumed_from", "start_data", "track"]
+                     "restored_age_s", "resumed_from", "start_data", "track", "updating"]
 """``loop.framework``: what only integrations, the bundled trainer and the sampler call."""
 
 

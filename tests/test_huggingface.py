@@ -12,10 +12,12 @@ same path in ``ElasticLoop`` and run in ``tests/test_own_loop.py``.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from tests.support.chaos import check_rank0_then_preempt, rank0_then_preempt, run_program
+from tests.support.readme_snippets import RUN_ID, readme_snippet, run_snippet
 
 pytestmark = pytest.mark.slow
 
@@ -25,5 +27,50 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "huggingface_tra
 @pytest.mark.timeout(560)
 def test_a_trainer_run_loses_no_step_to_rank0s_machine_dying_or_a_preemption(
         tmp_path: Path) -> None:
-    result = run_program(rank0_then_preempt(steps=100), "hf-rank0-preempt", EXAMPLE, tmp_path)
+    """With gradient accumulation (2 batches a step): a fault inside an accumulation keeps
+    the last whole optimizer step."""
+    result = run_program(rank0_then_preempt(steps=100), "hf-rank0-preempt", EXAMPLE, tmp_path,
+                         extra=("--accumulate", "2"))
     check_rank0_then_preempt(result, tmp_path)
+
+
+@pytest.mark.parametrize("sharding", [{"fsdp": "full_shard"}, {"deepspeed": "ds.json"}])
+def test_a_sharded_trainer_is_refused_before_any_step_naming_what_to_use(
+        sharding: dict[str, str]) -> None:
+    from elastic_ext.integrations.huggingface import refuse_sharding
+
+    refuse_sharding(SimpleNamespace(fsdp=None, deepspeed=None))  # type: ignore[arg-type]
+    args = SimpleNamespace(**{"fsdp": None, "deepspeed": None, **sharding})
+    [name] = sharding
+    with pytest.raises(RuntimeError, match=rf"{name}=\.\.\.\) shards the model.*loop\.mesh"):
+        refuse_sharding(args)  # type: ignore[arg-type]
+
+
+HF_PREAMBLE = '''
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+    def __getitem__(self, i):
+        ids = torch.arange(i, i + 8) % 64
+        return {"input_ids": ids, "labels": ids}
+
+model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1,
+                                   n_head=2))
+data = Tokens()
+'''
+
+
+@pytest.mark.timeout(300)
+def test_the_readmes_snippet_runs_as_pasted_into_a_script(tmp_path: Path) -> None:
+    """Its imports are all it needs, its snapshots go under the run's id, and the callback
+    moves itself last among the Trainer's callbacks."""
+    snippet = readme_snippet("transformers import")
+    done = run_snippet(tmp_path, HF_PREAMBLE, snippet + "print('callbacks', [type(c).__name__ "
+                       "for c in trainer.callback_handler.callbacks][-1])\n")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "callbacks ElasticCallback" in done.stdout
+    assert sorted(p.name for p in (tmp_path / "snapshots" / RUN_ID).glob("*.json")) == \
+        ["snapshot-0000000006.json"], done.stderr[-3000:]  # the final commit: 3 epochs of 2 steps

@@ -25,6 +25,7 @@ from elastic_ext.rendezvous.protocol.joins import (
     with_joins,
 )
 from elastic_ext.rendezvous.protocol.liveness import Verdict
+from elastic_ext.rendezvous.protocol.pace import Pace
 from elastic_ext.rendezvous.protocol.policy import Limits
 from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, RunState, Status
 from elastic_ext.rendezvous.stores.contract import KeeperRead
@@ -127,10 +128,11 @@ class CountingBackend(MemoryBackend):
         self.counts = counts
 
     def keeper_read(self, node: str, presence_port: int | None,
-                    watched: Sequence[str], due: bool = True) -> KeeperRead:
+                    watched: Sequence[str], due: bool = True, pace: Pace | None = None
+                    ) -> KeeperRead:
         self.counts["keeper_reads"] += 1
         self.counts["beats_read"] += len(watched)
-        return super().keeper_read(node, presence_port, watched, due)
+        return super().keeper_read(node, presence_port, watched, due, pace)
 
     def get_state(self) -> tuple[bytes, object] | None:
         self.counts["state_reads"] += 1

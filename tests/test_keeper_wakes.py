@@ -10,6 +10,7 @@ from elastic_ext.agent.control import AgentControl
 from elastic_ext.local.processes import wait_until
 from elastic_ext.rendezvous.agent.events import EventLog
 from elastic_ext.rendezvous.agent.keeper import Keeper
+from elastic_ext.rendezvous.protocol.pace import Pace
 from elastic_ext.rendezvous.protocol.policy import Limits
 from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, RunState
 from elastic_ext.rendezvous.stores.contract import KeeperRead
@@ -53,9 +54,9 @@ class DueRecordingBackend(MemoryBackend):
         self.ticks: list[tuple[float, bool]] = []
 
     def keeper_read(self, node: str, presence_port: int | None, watched: Sequence[str],
-                    due: bool = True) -> KeeperRead:
+                    due: bool = True, pace: Pace | None = None) -> KeeperRead:
         self.ticks.append((time.monotonic(), due))
-        return super().keeper_read(node, presence_port, watched, due)
+        return super().keeper_read(node, presence_port, watched, due, pace)
 
 
 def test_a_woken_tick_is_not_due_and_does_not_move_the_next_beat(tmp_path: Path) -> None:

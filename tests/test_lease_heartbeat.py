@@ -19,8 +19,11 @@ import pytest
 
 from elastic_ext.local.etcd import received_requests
 from elastic_ext.local.processes import ProcessSet, wait_until
+from elastic_ext.rendezvous.protocol.pace import Pace
+from elastic_ext.rendezvous.stores.etcd import lease as lease_module
 from elastic_ext.rendezvous.stores.etcd.backend import EtcdBackend
 from elastic_ext.rendezvous.stores.etcd.client import EtcdClient
+from elastic_ext.rendezvous.stores.wire import pace_of, presence_port_of
 from tests.support.stores import settings_for
 from tests.support.trainer_runs import env
 
@@ -153,3 +156,31 @@ def test_an_idle_keeper_with_written_heartbeats_asks_etcd_one_transaction_a_beat
     finally:
         agent.close()
         other.close()
+
+
+def test_a_leased_heartbeat_is_put_anew_only_when_its_pace_moved(
+        etcd, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``heartbeat_mode=lease`` the value is not rewritten at every tick: the pace
+    (``protocol/pace.py``) goes out when it moved by more than 15 %, at most one put per
+    ``PACE_PUT_S``, or every watcher would read every node's every tick."""
+    settings = settings_for(etcd.members[0].endpoint, heartbeat_mode="lease")
+    agent, client = EtcdBackend(settings), EtcdClient(settings)
+    key = settings.run_prefix + "hb/me"
+    monkeypatch.setattr(lease_module, "PACE_PUT_S", 0.0)
+    try:
+        agent.keeper_read("me", 4343, [], pace=Pace(0.08, 0.05))  # granted, put with it
+        first = client.get(key)
+        assert first is not None and pace_of(first.value) == Pace(0.08, 0.05)
+        agent.keeper_read("me", 4343, [], pace=Pace(0.085, 0.052))  # within 15 %: no put
+        same = client.get(key)
+        assert same is not None and same.mod_revision == first.mod_revision
+        agent.keeper_read("me", 4343, [], pace=Pace(0.08, 0.15))  # a straggler now
+        moved = client.get(key)
+        assert moved is not None and pace_of(moved.value) == Pace(0.08, 0.15)
+        assert presence_port_of(moved.value) == 4343
+        monkeypatch.setattr(lease_module, "PACE_PUT_S", 60.0)
+        agent.keeper_read("me", 4343, [], pace=Pace(0.08, 0.5))  # moved, but too soon
+        later = client.get(key)
+        assert later is not None and later.mod_revision == moved.mod_revision
+    finally:
+        agent.close()

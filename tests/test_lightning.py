@@ -19,32 +19,38 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from elastic_ext.worker.loop.data import position_after
 from tests.support.chaos import check_rank0_then_preempt, rank0_then_preempt, run_program
+from tests.support.readme_snippets import RUN_ID, readme_snippet, run_snippet
 
 pytestmark = pytest.mark.slow
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "lightning_trainer.py"
 DATASET_SIZE = 1200  # the example's
+ACCUMULATE = 2
 
 
 @pytest.mark.timeout(560)
 def test_a_lightning_run_loses_no_step_to_rank0s_machine_dying_or_a_preemption(
         tmp_path: Path) -> None:
-    # 110 steps: the restarted job crosses the end of the first epoch (100 steps of 12
-    # samples)
-    result = run_program(rank0_then_preempt(steps=110), "pl-rank0-preempt", EXAMPLE, tmp_path)
+    """With gradient accumulation (2 batches a step): a fault inside an accumulation keeps
+    the last whole optimizer step, and its batches are trained again once."""
+    # 60 steps of 2 batches: the restarted job crosses the end of the first epoch (100
+    # batches of 12 samples)
+    result = run_program(rank0_then_preempt(steps=60), "pl-rank0-preempt", EXAMPLE, tmp_path,
+                         extra=("--accumulate", str(ACCUMULATE)))
     events = check_rank0_then_preempt(result, tmp_path)
-    # Each step trained the global batch the uninterrupted order gives it, across the end
-    # of the first epoch too.
+    # Each step trained the batches the uninterrupted order gives it, across the end of
+    # the first epoch too.
     steps = [e for e in events if e["event"] == "step"]
-    assert steps[-1]["step"] == 110 and steps[-1]["epoch"] == 1, steps[-1]
+    assert steps[-1]["step"] == 60 and steps[-1]["epoch"] == 1, steps[-1]
     for event in steps:
-        where = position_after(event["step"], 12, DATASET_SIZE)
+        where = position_after(event["step"] * ACCUMULATE, 12, DATASET_SIZE)
         assert (event["epoch"], event["offset"]) == (where.epoch, where.offset), event
 
 
@@ -99,3 +105,108 @@ def test_a_lightning_without_the_internals_used_is_named_with_the_version_needed
         dump_checkpoint(NotLightning26())  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match=r"needs lightning 2\.6"):
         keep_signal_handlers(NotLightning26())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("strategy", ["FSDPStrategy", "DeepSpeedStrategy",
+                                      "ModelParallelStrategy"])
+def test_a_sharded_strategy_is_refused_before_any_step_naming_what_to_use(
+        strategy: str) -> None:
+    import lightning.pytorch.strategies as strategies
+
+    from elastic_ext.integrations.lightning import refuse_sharding
+
+    cls = getattr(strategies, strategy)
+    trainer = SimpleNamespace(strategy=cls.__new__(cls))
+    with pytest.raises(RuntimeError, match=rf"{strategy} shards the model.*strategy='ddp'.*"
+                                           r"loop\.mesh\(\)"):
+        refuse_sharding(trainer)  # type: ignore[arg-type]
+
+
+def test_a_sharded_optimizer_is_refused_and_ddp_passes() -> None:
+    import lightning.pytorch.strategies as strategies
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from elastic_ext.integrations.lightning import refuse_sharding
+
+    ddp = strategies.DDPStrategy.__new__(strategies.DDPStrategy)
+    refuse_sharding(SimpleNamespace(strategy=ddp))  # type: ignore[arg-type]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        zero = ZeroRedundancyOptimizer(torch.nn.Linear(2, 2).parameters(),
+                                       optimizer_class=torch.optim.SGD, lr=0.1)
+        sharded = SimpleNamespace(strategy=SimpleNamespace(optimizers=[zero]))
+        with pytest.raises(RuntimeError, match="ZeroRedundancyOptimizer shards the optimizer"):
+            refuse_sharding(sharded)  # type: ignore[arg-type]
+    finally:
+        dist.destroy_process_group()
+
+
+class AccumulatingLoop:
+    """What the callback calls of ``ElasticLoop`` at a batch's end, recorded."""
+
+    def __init__(self) -> None:
+        self.step, self.calls = 0, []  # type: ignore[var-annotated]
+        self.framework = SimpleNamespace(
+            updating=False, pause_hang_check=lambda paused: self.calls.append("pause"),
+            end_update=lambda: self.calls.append("end_update"))
+
+    def step_done(self, loss: Any = None) -> None:
+        self.step += 1
+        self.calls.append("step_done")
+
+
+def test_only_a_batch_that_stepped_the_optimizer_is_a_step_boundary() -> None:
+    """With accumulation, the batches before the accumulation's last step no optimizer:
+    no boundary there, so a fault keeps the last whole optimizer step."""
+    from elastic_ext.integrations.lightning import ElasticCallback
+
+    loop = AccumulatingLoop()
+    elastic = ElasticCallback(loop=loop)  # type: ignore[arg-type]
+    elastic._state.at_boundary = lambda step, trainer: None  # type: ignore[method-assign]
+    trainer = SimpleNamespace(global_step=0)
+    elastic.on_train_batch_end(trainer, None, {"loss": None}, None, 0)  # type: ignore[arg-type]
+    assert loop.calls == ["pause"] and loop.step == 0
+    loop.framework.updating, trainer.global_step = True, 1  # on_before_optimizer_step ran
+    elastic.on_train_batch_end(trainer, None, {"loss": None}, None, 1)  # type: ignore[arg-type]
+    assert loop.calls == ["pause", "end_update", "step_done", "pause"] and loop.step == 1
+    loop.framework.updating, trainer.global_step = True, 3  # two optimizers stepped
+    with pytest.raises(RuntimeError, match="one optimizer step per batch"):
+        elastic.on_train_batch_end(trainer, None, {}, None, 2)  # type: ignore[arg-type]
+
+
+PL_PREAMBLE = '''
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+class Regression(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        return nn.functional.mse_loss(self.net(inputs), targets)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+model = Regression()
+data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+'''
+
+
+@pytest.mark.timeout(300)
+def test_the_readmes_snippet_runs_as_pasted_into_a_script(tmp_path: Path) -> None:
+    """Its imports are all it needs (the preamble, the user's model and data, comes after
+    them), its snapshots go under the run's id, and the callback moves itself last."""
+    snippet = readme_snippet("lightning.pytorch")
+    assert "max_steps=1000" in snippet
+    imports, _, rest = snippet.partition("\n\n")
+    done = run_snippet(tmp_path, imports + PL_PREAMBLE,
+                       rest.replace("max_steps=1000", "max_steps=3")
+                       + "print('last', type(trainer.callbacks[-1]).__name__)\n")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "last ElasticCallback" in done.stdout
+    assert sorted(p.name for p in (tmp_path / "snapshots" / RUN_ID).glob("*.json")) == \
+        ["snapshot-0000000003.json"], done.stderr[-3000:]  # the final commit

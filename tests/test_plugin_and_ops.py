@@ -20,9 +20,12 @@ from elastic_ext.net import free_port
 from elastic_ext.ops import status as ops
 from elastic_ext.rendezvous.agent.handler import EtcdExtRendezvousHandler
 from elastic_ext.rendezvous.errors import StoreUnavailableError
+from elastic_ext.rendezvous.protocol.pace import Pace
 from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, RunState
+from elastic_ext.rendezvous.protocol.straggler import StragglerRules
 from elastic_ext.rendezvous.stores.etcd.backend import EtcdBackend
 from elastic_ext.rendezvous.stores.open import open_backend
+from tests.support.memory_backend import MemoryBackend, MemoryStore
 from tests.support.stores import settings_for
 
 
@@ -103,7 +106,8 @@ def test_status_and_list_on_etcd(etcd) -> None:
     assert code == 0 and (report["round"], report["phase"]) == (2, "open")
     assert report["members"] == [{"node": "n1", "address": "10.0.0.1:29500",
                                   "heartbeat_age_s": report["members"][0]["heartbeat_age_s"],
-                                  "lease_held": False, "left": False, "rank": None}]
+                                  "lease_held": False, "left": False, "rank": None,
+                                  "step_s": None, "own_s": None, "slow": False}]
     # a job with heartbeat_mode=lease: its heartbeat is the agent's lease, held, no age (issue 27)
     code, text = status("status", "--endpoint", endpoint, "--run-id", "job-b", "--json",
                         "--rdzv-conf", "heartbeat_mode=lease")
@@ -187,3 +191,58 @@ def test_status_shows_rounds_without_progress_and_nodes_left_out() -> None:
     assert "left out: c: not reachable from a, b" in text
     trained = ops.describe(replace(state, progress_round=5), {}, now=0.0, snapshot_step=None)
     assert "rounds in a row" not in ops.render(trained, "r", "etcd://x")
+
+
+def paced_run() -> MemoryBackend:
+    """A closed round of a, b and c (c's own step work 2.8x the others'), d waiting: each
+    node's heartbeat carries its pace, as the agents' keepers put it."""
+    backend = MemoryBackend(MemoryStore())
+    info = NodeInfo("h", 1)
+    state = RunState(generation="g", round=3, phase=Phase.CLOSED,
+                     members={n: info for n in "abc"}, order=("a", "b", "c"),
+                     waiting={"d": info})
+    backend.set_state(state.to_bytes())
+    for node, pace in (("a", Pace(0.3, 0.1)), ("b", Pace(0.3, 0.1)), ("c", Pace(0.3, 0.28)),
+                       ("d", None)):
+        backend.beat(node, pace=pace)
+    return backend
+
+
+def test_status_shows_each_nodes_pace_and_marks_the_slow_one_by_the_jobs_margin() -> None:
+    backend = paced_run()
+    report = ops.read_report(backend, None, StragglerRules(margin=1.5))
+    members = {n["node"]: n for n in report["members"]}
+    assert (members["a"]["step_s"], members["a"]["own_s"], members["a"]["slow"]) == (
+        0.3, 0.1, False)
+    assert members["c"]["own_s"] == 0.28 and members["c"]["slow"] is True
+    assert report["waiting"][0]["step_s"] is None and report["waiting"][0]["slow"] is False
+    assert (report["slow_nodes"], report["straggler_margin"]) == (["c"], 1.5)
+    lines = ops.render(report, "r", "mem").splitlines()
+    row = {line.split()[1]: line for line in lines if line.startswith(("  0 ", "  1 ", "  2 "))}
+    assert row["a"].split()[-2:] == ["0.300s", "0.100s"]
+    assert row["c"].split()[-3:] == ["0.300s", "0.280s", "slow"]
+    assert next(line for line in lines if line.startswith("  wait")).split()[-2:] == ["-", "-"]
+    assert "  slow: own step work over 1.5x the other nodes' median (straggler_margin)" in lines
+    relaxed = ops.read_report(backend, None, StragglerRules(margin=3.0))
+    assert relaxed["slow_nodes"] == [] and "slow" not in ops.render(relaxed, "r", "mem")
+
+
+def test_status_marks_no_node_slow_while_the_round_is_open_or_the_node_leaves() -> None:
+    backend = paced_run()
+    current = backend.get_state()
+    assert current is not None
+    state, beats = RunState.from_bytes(current[0]), backend.read_beats("abcd")
+    leaving = replace(state, leaving={"c": "a preemption notice"})
+    assert ops.describe(leaving, beats, 0.0, None)["slow_nodes"] == []
+    opened = replace(state, phase=Phase.OPEN, order=())
+    report = ops.describe(opened, beats, 0.0, None)
+    assert report["slow_nodes"] == [] and report["members"][2]["own_s"] == 0.28
+
+
+def test_status_takes_the_straggler_margin_from_the_jobs_rdzv_conf(embedded_agent) -> None:
+    _, endpoint, _ = embedded_agent
+    code, text = status("status", "--endpoint", f"c10d://{endpoint}", "--run-id", "job7",
+                        "--rdzv-conf", "straggler_margin=2.5", "--json")
+    report = json.loads(text)
+    assert code == 0 and report["straggler_margin"] == 2.5
+    assert report["members"][0]["step_s"] is None  # no workers: no pace yet

@@ -15,11 +15,14 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvou
 
 from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.local.job import JobSpec, LocalJob, wait_for_step
+from elastic_ext.local.processes import wait_until
 from elastic_ext.net import free_port
+from elastic_ext.rendezvous.agent import keeper as keeper_module
 from elastic_ext.rendezvous.agent.events import EventKind
 from elastic_ext.rendezvous.agent.handler import EtcdExtRendezvousHandler
 from elastic_ext.rendezvous.agent.prometheus import AgentMetrics, MeasuredBackend
 from elastic_ext.rendezvous.errors import ConfigError, StoreUnavailableError
+from elastic_ext.rendezvous.protocol.pace import Pace
 from tests.support.memory_backend import MemoryBackend, MemoryStore
 
 LOOP_JOB = str(Path(__file__).parent / "support" / "loop_job.py")
@@ -93,6 +96,42 @@ def test_failed_requests_and_peer_heartbeats_are_counted() -> None:
     metrics.on_event(EventKind.BUDGET_SPENT, {"note": "spent"})
     assert get("elastic_ext_nodes_lost_total", {"run_id": "run1", "how": "dead"}) == 1
     assert get("elastic_ext_restarts_left", {"run_id": "run1"}) == 0
+
+
+def test_this_nodes_pace_and_the_stragglers_it_named_are_served() -> None:
+    metrics = AgentMetrics("run1")
+    get = metrics.registry.get_sample_value
+    run = {"run_id": "run1"}
+    assert get("elastic_ext_step_seconds", run) is None  # nothing known: no sample, not 0
+    pace: Pace | None = Pace(0.25)  # no DDP: a step time, no own time
+    metrics.watch_pace(lambda: pace)
+    assert get("elastic_ext_step_seconds", run) == 0.25
+    assert get("elastic_ext_own_step_seconds", run) is None
+    pace = Pace(0.25, 0.1)
+    assert get("elastic_ext_own_step_seconds", run) == 0.1  # read when scraped
+    pace = None  # between rounds
+    assert get("elastic_ext_step_seconds", run) is None
+    slow = {"peer": "b", "own_s": 0.3, "others_s": 0.1, "step_s": 0.3, "gain": 1.2}
+    metrics.on_event(EventKind.SLOW, {**slow, "dropped": False})
+    metrics.on_event(EventKind.SLOW, {**slow, "dropped": False})
+    metrics.on_event(EventKind.SLOW, {**slow, "dropped": True})
+    assert get("elastic_ext_stragglers_total", {**run, "action": "warn"}) == 2
+    assert get("elastic_ext_stragglers_total", {**run, "action": "drop"}) == 1
+
+
+def test_an_agent_serves_the_pace_its_keeper_reads(agent, monkeypatch: pytest.MonkeyPatch
+                                                    ) -> None:
+    """The agent torch's registry builds wires its keeper's pace to the metrics."""
+    _, port = agent
+    monkeypatch.setattr(keeper_module, "node_pace", lambda beacons: Pace(0.2, 0.05))
+
+    def served() -> Samples | None:
+        samples = scrape(port)
+        return samples if ("elastic_ext_step_seconds", (("run_id", "prom"),)) in samples \
+            else None
+    samples = wait_until(served, 10, what="the keeper's next tick")
+    assert value(samples, "elastic_ext_step_seconds", run_id="prom") == 0.2
+    assert value(samples, "elastic_ext_own_step_seconds", run_id="prom") == 0.05
 
 
 def test_a_busy_port_and_a_missing_library_are_refused_naming_the_fix(

@@ -26,6 +26,7 @@ from elastic_ext.ops.runlog import (
     RunLogError,
     parse_events,
     summarize,
+    with_agent_events,
 )
 from tests.support.trainer_runs import (
     BASE_ARGS,
@@ -201,6 +202,69 @@ def test_lines_torn_by_a_crash_are_skipped_and_counted() -> None:
         "".join(json.dumps(e) + "\n" for e in events[5:]) + '{"event": "do'
     parsed, unreadable = parse_events(text)
     assert parsed == events and unreadable == [6, len(events) + 2]
+
+
+def slow(t: float, peer: str = "node-b", dropped: bool = True, **extra: Any) -> dict[str, Any]:
+    """A ``slow`` event of an agent's events file (``rendezvous/agent/events.py``)."""
+    return {"time": 1000.0 + t, "run_id": "r", "node": "node-a", "pid": 7, "event": "slow",
+            "message": f"{peer} is a straggler", "peer": peer, "own_s": 0.3, "others_s": 0.1,
+            "step_s": 0.3, "gain": 1.4, "dropped": dropped, **extra}
+
+
+def agent_events() -> list[dict[str, Any]]:
+    """node-a's events: node-b named slow in round 2 and left out; node-c named slow in
+    round 3 and kept; one straggler of a run long before; other kinds; a malformed one."""
+    return [{"time": 1000.0, "event": "joined", "node": "node-a", "round": 1},
+            slow(12.0), slow(16.5, "node-c", dropped=False, own_s=0.25),
+            slow(-3600.0, "node-x"), slow(14.0, own_s="fast"),
+            {"time": 1013.0, "event": "node_dead", "node": "node-a", "peer": "node-d"}]
+
+
+def test_stragglers_the_agents_named_join_the_summary_and_the_timeline() -> None:
+    summary = with_agent_events(summarize(three_rounds()), [*agent_events(), slow(12.0)])
+    assert [(s.node, s.time - 1000.0, s.dropped, s.by) for s in summary.stragglers] == [
+        ("node-b", 12.0, True, "node-a"), ("node-c", 16.5, False, "node-a")]  # once each
+    assert summary.stragglers[0].label == "node-b slow: own 0.300s vs 0.100s (3.0x), left out"
+    assert summary.stragglers[1].label.endswith("(2.5x), kept")
+    assert (summary.agent_events, summary.agent_events_ignored) == (7, 1)  # node-x: long ago
+    marks = summary.marks()
+    assert [m.kind for m in marks].count("slow") == 2
+    first = next(m for m in marks if m.kind == "slow")
+    assert (first.time, first.label) == (pytest.approx(1012.0), "node-b slow 3.0x, left out")
+    assert summarize(three_rounds()).agent_events is None  # no events file given
+
+
+def test_the_command_reads_agents_events_files_and_directories(tmp_path: Path) -> None:
+    metrics = write(tmp_path / "m.jsonl", three_rounds())
+    (tmp_path / "events").mkdir()
+    write(tmp_path / "events" / "node-a.jsonl", agent_events())
+    write(tmp_path / "events" / "node-b.jsonl", [slow(17.0, "node-a", dropped=False)])
+    code, out, err = run_cli(str(metrics), "--events", str(tmp_path / "events"))
+    assert code == report.EXIT_OK and not err
+    assert ("stragglers: 3 (t=12.0s node-b slow: own 0.300s vs 0.100s (3.0x), left out; "
+            "t=16.5s node-c slow: own 0.250s vs 0.100s (2.5x), kept; "
+            "t=17.0s node-a slow: own 0.300s vs 0.100s (3.0x), kept)") in out.splitlines()
+    assert "ignored: 1 straggler event(s) outside the run's time" in out
+    code, out, _ = run_cli(str(metrics), "--json", "--events",
+                           str(tmp_path / "events" / "node-b.jsonl"))
+    data = json.loads(out)
+    assert data["stragglers"] == [{"t": 17.0, "node": "node-a", "own_s": 0.3, "others_s": 0.1,
+                                   "step_s": 0.3, "gain": 1.4, "dropped": False,
+                                   "named_by": "node-a"}]
+    assert (data["agent_events"], data["ignored_straggler_events"]) == (1, 0)
+    assert "stragglers" not in run_cli(str(metrics))[1]  # nothing to say without the agents'
+    code, out, err = run_cli(str(metrics), "--events", str(tmp_path / "nope.jsonl"))
+    assert code == report.EXIT_BAD_INPUT and not out
+    assert "nope.jsonl: no such file; give an agent's events file" in err
+
+
+def test_the_timeline_draws_the_stragglers(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    metrics = write(tmp_path / "m.jsonl", three_rounds())
+    events = write(tmp_path / "a.jsonl", agent_events())
+    code, _, err = run_cli(str(metrics), "--events", str(events), "--out", str(tmp_path / "rep"))
+    assert code == report.EXIT_OK and not err
+    assert (tmp_path / "rep" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # ---------------------------------------------------------------------------- command

@@ -194,3 +194,32 @@ def test_the_communicator_error_is_read_where_torch_keeps_it() -> None:
         assert torch_compat.communicator_error() is None
     finally:
         dist.destroy_process_group()
+
+
+def test_ddp_still_times_its_own_compute_apart_from_the_wait_for_peers() -> None:
+    """The straggler judge's own time (``protocol/pace.py``): DDP's runtime stats, sampled
+    at every step once asked, name the iteration and its forward and backward compute."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    for dotted in (torch_compat.DDP_RUNTIME_STATS, torch_compat.DDP_SAMPLE_RATE):
+        assert callable(getattr(_resolve(dotted.rpartition(".")[0]), dotted.rpartition(".")[2],
+                                None)), f"torch internal {dotted} is gone"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(torch.nn.Linear(64, 64))
+        torch_compat.time_every_ddp_step(ddp)
+        seen = []
+        for _ in range(14):  # past DDP's first ten, which it times whatever the rate
+            ddp(torch.randn(8, 64)).sum().backward()
+            ddp(torch.randn(8, 64))  # stats of a step are recorded as the next one starts
+            timed = torch_compat.ddp_own_seconds(ddp)
+            assert timed is not None, (
+                f"DDP no longer reports forward/backward compute times through "
+                f"{torch_compat.DDP_RUNTIME_STATS}: stragglers cannot be told")
+            seen.append(timed[0])
+        assert seen[-1] > 10 and len(set(seen[-4:])) == 4, seen  # every step timed
+        assert timed is not None and 0 < timed[1] < 5
+    finally:
+        dist.destroy_process_group()

@@ -192,6 +192,7 @@ class AgentControl:
                     local_rank=int(path.name[len(BEAT):]), pid=pid, round=int(doc["round"]),
                     step=int(doc["step"]), steps_in_round=int(doc["steps_in_round"]),
                     step_s=None if doc["step_s"] is None else float(doc["step_s"]),
+                    own_s=None if doc.get("own_s") is None else float(doc["own_s"]),
                     paused=bool(doc["paused"]), waiting=bool(doc["waiting"]),
                     where=str(doc["where"]), backend=str(doc["backend"]),
                     silent_s=max(0.0, now - float(doc["at"])), process=process_state(pid)))

@@ -58,5 +58,8 @@ def set_up_agent(params: RendezvousParameters, backend_name: str) -> EtcdExtRend
         settings, backend, backend_name=backend_name, metrics=metrics,
         events_file=Path(settings.events_file) if settings.events_file else None,
         control=control, starter=warm)
+    if metrics is not None:
+        keeper = handler.keeper
+        metrics.watch_pace(lambda: keeper.pace)  # read when scraped: the keeper's last tick
     on_agent_signal(handler.leave_after_signal)
     return handler

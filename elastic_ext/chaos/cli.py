@@ -43,9 +43,10 @@ a scenario file, or - to read one from standard input. Scenario format:
 
 Triggers: at step N | after Ds | when world N | when recovered | when stopped.
 Actions: kill worker T | kill node T | freeze node T for Ds | partition node T for Ds |
-cut peers of node T for Ds | preempt all|agents | start node | start N nodes | start all |
-kill etcd leader|follower|all [for Ds] | fill disk [for Ds].  T: a node index, rank0, other
-or all.
+cut peers of node T for Ds | slow node T [to F] [every Pms] [for Ds] (a straggler: its
+workers run F of every P, default 1/3 of 30ms) | preempt all|agents | start node |
+start N nodes | start all | kill etcd leader|follower|all [for Ds] | fill disk [for Ds].
+T: a node index, rank0, other or all.
 
 Soak: elastic-ext chaos soak --duration 30m --seed S [--every 20-40s] [--nodes 3]
 [--kinds KIND,...] [--recovery-bound 2m] [--print-schedule] plays a random schedule of

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
+import math
 import os
 import signal
 import time
@@ -21,9 +23,11 @@ from pathlib import Path
 
 from elastic_ext.chaos.invariants import FaultRecord
 from elastic_ext.chaos.netns import NetnsLab
-from elastic_ext.chaos.scenario import Action, Fault
+from elastic_ext.chaos.scenario import SLOW_FRACTION, SLOW_PERIOD_S, Action, Fault
+from elastic_ext.chaos.throttle import DutyCycle
 from elastic_ext.local.etcd import EtcdMember
 from elastic_ext.local.job import LocalJob, Node
+from elastic_ext.local.processes import environ_of
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +40,8 @@ class InjectionError(RuntimeError):
 
 @dataclass(frozen=True)
 class Undo:
-    """Ends a fault that has a duration: due at ``due`` (unix time)."""
+    """Ends a fault that has a duration: due at ``due`` (unix time; ``math.inf``: when the
+    scenario ends, for a fault that lasts as long as the job)."""
 
     due: float
     description: str
@@ -55,7 +60,8 @@ class Injector:
         self.lab = lab
         self.killed: set[str] = set()     # nodes SIGKILLed whole: their exit status says nothing
         self.cut_off: set[str] = set()    # nodes cut off their peers: the job may leave them out
-        self.impaired: set[str] = set()   # frozen or cut off right now
+        self.impaired: set[str] = set()   # frozen, slowed or cut off right now
+        self.slowed: dict[str, DutyCycle] = {}  # node -> the duty cycle that slows it
 
     # -- targets ---------------------------------------------------------------------------
     def _live(self) -> list[Node]:
@@ -126,6 +132,32 @@ class Injector:
             return node.name
         assert action.duration is not None
         return detail, Undo(time.time() + action.duration, f"thaw {node.name}", "thaw", thaw)
+
+    def _slow(self, action: Action) -> tuple[str, Undo | None]:
+        """A straggler: the node's workers (its agent spared) stopped and continued in a
+        duty cycle (``throttle.py``), looked up again as rounds restart them."""
+        node = self.nodes(action.target)[0]
+        if node.name in self.slowed:
+            raise InjectionError(f"{node.name} is already slowed")
+        workers = training_pids(node)
+        if not workers:
+            raise InjectionError(f"{node.name} has no worker running")
+        fraction = action.fraction or SLOW_FRACTION
+        period = action.period or SLOW_PERIOD_S
+        detail = (f"{self._describe([node])}: worker pid(s) {', '.join(map(str, workers))} run "
+                  f"{fraction:.0%} of every {period * 1000:g}ms")
+        cycle = DutyCycle(lambda: training_pids(node), fraction=fraction, period=period,
+                          name=f"slow-{node.name}").start()
+        self.slowed[node.name] = cycle
+        self.impaired.add(node.name)
+
+        def speed_up() -> str:
+            cycles = cycle.stop()
+            self.slowed.pop(node.name, None)
+            self.impaired.discard(node.name)
+            return f"{node.name} at full speed after {cycles} cycles"
+        due = math.inf if action.duration is None else time.time() + action.duration
+        return detail, Undo(due, f"speed up {node.name}", "speed-up", speed_up)
 
     def _partition(self, action: Action) -> tuple[str, Undo | None]:
         return self._cut_network(action, peers_only=False)
@@ -257,6 +289,23 @@ class Injector:
             filler.unlink(missing_ok=True)
             return f"removed {filler.name}"
         return detail, Undo(time.time() + action.duration, "free disk", "free-disk", free)
+
+
+def training_pids(node: Node) -> list[int]:
+    """Every process of ``node`` that trains: its agent's workers and, with warm starts
+    (where those only relay signals), the workers the warm-start server forked for them,
+    as their beacons name them (a fork keeps the server's ``/proc/PID/environ``, so no
+    ``RANK`` finds it). Only the node's own processes: a stale beacon's pid may be reused."""
+    workers = node.worker_pids()
+    controls = {environ_of(pid).get("ELASTIC_EXT_CONTROL_DIR") for pid in workers}
+    named: set[int] = set()
+    for control in filter(None, controls):
+        with contextlib.suppress(OSError):
+            for beat in Path(control).glob("beat-*"):
+                with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                    named.add(int(json.loads(beat.read_text())["pid"]))
+    ours = set(node.proc.pids()) if named else set()
+    return sorted(set(workers) | (named & ours))
 
 
 def fill(path: Path, chunk: int = 1 << 20) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -223,12 +224,13 @@ class ScenarioRun:
                         self.errors.append(f"every node exited before line {fault.line} "
                                            f"'{fault.describe()}' could fire")
                         return
-                elif stopped and not pending:
-                    return
+                elif stopped and all(u.due == math.inf for u in pending):
+                    return  # the finally undoes what lasts as long as the job
                 if now > deadline:
                     waiting = (f"line {faults[index].line} '{faults[index].describe()}' to fire"
                                if index < len(faults) else
-                               "every node to exit" if not pending else pending[0].description)
+                               "every node to exit" if not stopped or not pending else
+                               min(pending, key=lambda u: u.due).description)
                     self.errors.append(f"timed out after {settings.timeout:g}s "
                                        f"waiting for {waiting}")
                     return

@@ -29,6 +29,11 @@ that neither hosts rank 0 nor the embedded store — or ``all``):
 - ``kill worker TARGET``: SIGKILL one worker process of the node, not its agent;
 - ``kill node TARGET``: SIGKILL the agent and all its workers;
 - ``freeze node TARGET for D``: SIGSTOP the node, SIGCONT after D;
+- ``slow node TARGET [to F] [every P] [for D]``: a straggler: the node's workers (not its
+  agent) run a fraction F of every period P and are stopped for the rest (SIGSTOP and
+  SIGCONT from a thread of the harness), so their compute takes about 1/F as long; F is
+  ``1/3`` (the default), ``0.25`` or ``40%``, P ``30ms`` (the default) or ``0.05s``, best
+  short against a step's compute. Without ``for``, it lasts until the scenario ends;
 - ``partition node TARGET for D``: take the node's network link down, up after D
   (the nodes then run in network namespaces);
 - ``cut peers of node TARGET for D``: the node still reaches the store but neither
@@ -210,11 +215,13 @@ class Action:
     """What a fault does. ``target`` is a node selector or an etcd role; ``duration`` undoes it."""
 
     # kill-worker kill-node freeze partition cut-peers preempt notice terminate start-node
-    # start-all kill-etcd fill-disk
+    # start-all kill-etcd fill-disk slow
     verb: str
     target: str = ""
     count: int = 1
     duration: float | None = None
+    fraction: float | None = None  # slow: the share of each period the workers run
+    period: float | None = None  # slow: seconds of one stop-and-run cycle
 
     @property
     def crash(self) -> bool:
@@ -234,10 +241,19 @@ class Action:
             "start-node": "start node" if self.count == 1 else f"start {self.count} nodes",
             "start-all": "start all", "kill-etcd": f"kill etcd {self.target}",
             "fill-disk": "fill disk",
+            "slow": f"slow node {self.target} to {_fraction_text(self.fraction or 0.0)} "
+                    f"every {(self.period or 0.0) * 1000:g}ms",
         }[self.verb]
         spread = self.verb == "notice"  # its duration spreads the notices, undoes nothing
         return words + (f" for {self.duration:g}s" if self.duration is not None and not spread
                         else "")
+
+
+def _fraction_text(fraction: float) -> str:
+    """``1/3`` for a third, else the number (``0.4``)."""
+    if fraction > 0 and abs(1 / fraction - round(1 / fraction)) < 1e-6:
+        return f"1/{round(1 / fraction)}"
+    return f"{fraction:g}"
 
 
 @dataclass(frozen=True)
@@ -287,11 +303,23 @@ _TRIGGERS: list[tuple[re.Pattern[str], Callable[[re.Match[str]], Trigger]]] = [
     (re.compile(r"when stopped"), lambda m: Trigger("stopped")),
 ]
 _FOR = rf"(?: for {_DURATION})?"
+_FRACTION = r"(\d+/\d+|\d*\.\d+|\d+(?:\.\d+)?%)"
+_PERIOD = r"(\d+(?:\.\d+)?)(ms|s)"
+SLOW_FRACTION = 1 / 3
+"""``slow node``'s default run fraction: the node's compute about 3x as long."""
+SLOW_PERIOD_S = 0.03
+"""``slow node``'s default period: short against a step's compute, long against the
+scheduler's tick and a signal's delivery."""
+SLOW_MIN_PERIOD_S = 0.005
 _ACTIONS: list[tuple[re.Pattern[str], Callable[[re.Match[str]], Action]]] = [
     (re.compile(rf"kill worker {_NODE_TARGET}"), lambda m: Action("kill-worker", m.group(1))),
     (re.compile(rf"kill node {_NODE_TARGET}"), lambda m: Action("kill-node", m.group(1))),
     (re.compile(rf"freeze node {_NODE_TARGET} for {_DURATION}"),
      lambda m: Action("freeze", m.group(1), duration=float(m.group(2)))),
+    (re.compile(rf"slow node {_NODE_TARGET}(?: to {_FRACTION})?(?: every {_PERIOD})?{_FOR}"),
+     lambda m: Action("slow", m.group(1), fraction=_run_fraction(m.group(2)),
+                      period=_period(m.group(3), m.group(4)),
+                      duration=_opt_float(m.group(5)))),
     (re.compile(rf"partition node {_NODE_TARGET} for {_DURATION}"),
      lambda m: Action("partition", m.group(1), duration=float(m.group(2)))),
     (re.compile(rf"cut peers of node {_NODE_TARGET} for {_DURATION}"),
@@ -317,6 +345,32 @@ _ACTIONS: list[tuple[re.Pattern[str], Callable[[re.Match[str]], Action]]] = [
 
 def _opt_float(text: str | None) -> float | None:
     return None if text is None else float(text)
+
+
+def _run_fraction(text: str | None) -> float:
+    """``1/3``, ``0.25`` or ``40%``: the share of the time a slowed node's workers run."""
+    if text is None:
+        return SLOW_FRACTION
+    if "/" in text:
+        top, bottom = (int(part) for part in text.split("/"))
+        if bottom == 0:
+            raise ValueError("a fraction's denominator must not be 0")
+        value = top / bottom
+    else:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    if not 0 < value < 1:
+        raise ValueError(f"the run fraction {text} must be between 0 and 1 (exclusive)")
+    return value
+
+
+def _period(number: str | None, unit: str | None) -> float:
+    if number is None:
+        return SLOW_PERIOD_S
+    value = float(number) / (1000 if unit == "ms" else 1)
+    if value < SLOW_MIN_PERIOD_S:
+        raise ValueError(f"a period under {SLOW_MIN_PERIOD_S * 1000:g}ms is too short for "
+                         "the signals to keep")
+    return value
 
 
 def _match(table: list[tuple[re.Pattern[str], Callable[[re.Match[str]], Any]]], text: str) -> Any:
@@ -354,6 +408,7 @@ def parse(text: str, name: str = "scenario") -> Scenario:
             if action is None:
                 raise ScenarioError(f"unknown action {what!r} (kill worker|node T, "
                                     "freeze|partition node T for Ds, "
+                                    "slow node T [to F] [every Pms] [for Ds], "
                                     "cut peers of node T for Ds, drop node T for Ds, "
                                     "preempt all|agents, "
                                     "notice node T, notice all over Ds, terminate node T, "
@@ -390,7 +445,8 @@ def _validate(settings: ScenarioSettings, faults: tuple[Fault, ...] | list[Fault
                 fail(fault, "kill etcd needs store = etcd")
             if action.target == "follower" and settings.etcd_members < 3:
                 fail(fault, "kill etcd follower needs etcd-members = 3")
-        if action.verb in ("freeze", "partition", "cut-peers", "drop") and action.target == "all":
+        if action.verb in ("freeze", "partition", "cut-peers", "drop", "slow") \
+                and action.target == "all":
             fail(fault, f"{action.verb} needs one node, not all")
         if action.verb == "kill-worker" and action.target == "all":
             fail(fault, "kill worker needs one node, not all")

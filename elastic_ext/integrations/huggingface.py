@@ -16,9 +16,9 @@ trained, as for any checkpoint::
 
 Not covered: the data order after a change of world size is the Trainer's (it skips
 ``global_step`` batches of the new sharding, so an epoch's samples are not exactly once
-across sizes); gradient accumulation keeps whole optimizer steps only; DeepSpeed and
-FSDP models are sharded and are not kept (DDP only); RNG states travel only in durable
-snapshots.
+across sizes); gradient accumulation keeps whole optimizer steps (a fault inside an
+accumulation trains its batches again); DeepSpeed and FSDP models are sharded and are
+refused at the start (DDP only); RNG states travel only in durable snapshots.
 """
 
 from __future__ import annotations
@@ -89,6 +89,19 @@ def _callback_states(trainer: Any) -> dict[str, Any]:
     return states
 
 
+def refuse_sharding(args: TrainingArguments) -> None:
+    """Raise before training when the Trainer shards the model (``fsdp``, ``deepspeed``):
+    the callback would keep a shard as if it were the whole state."""
+    for name in ("fsdp", "deepspeed"):
+        if getattr(args, name, None):
+            raise RuntimeError(
+                f"ElasticCallback: TrainingArguments({name}=...) shards the model; the "
+                "callback keeps and hands off replicated (DDP) state only, not a sharded "
+                "model's yet: train without it, or write the loop on elastic_ext.ElasticLoop "
+                "with loop.mesh() for FSDP2 and HSDP "
+                "(docs/snapshot-hook.md#sharded-state-fsdp2-hsdp)")
+
+
 class ElasticCallback(TrainerCallback):
     """The elastic-ext protocol for a Hugging Face ``Trainer`` run under torchrun.
 
@@ -116,6 +129,10 @@ class ElasticCallback(TrainerCallback):
         """
         model = trainer.model
         self._trainer_state.trainer = trainer
+        # Last in the list: later callbacks' on_step_end would not run for a step the job
+        # stops at (the boundary may exit there).
+        handler = trainer.callback_handler
+        handler.callbacks = [c for c in handler.callbacks if c is not self] + [self]
         restored = restore_for_framework(self.loop, model, _KEPT,
                                          "elastic_ext.integrations.huggingface.ElasticCallback")
         self._restored = True
@@ -133,6 +150,7 @@ class ElasticCallback(TrainerCallback):
     # -- the Trainer's events, on every rank
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
                        control: TrainerControl, **kwargs: Any) -> None:
+        refuse_sharding(args)
         if args.world_size != self.loop.world_size:
             raise RuntimeError(
                 f"the Trainer runs {args.world_size} rank(s) of the {self.loop.world_size} "
@@ -176,4 +194,4 @@ class ElasticCallback(TrainerCallback):
         self.loop.finish()
 
 
-__all__ = ["ElasticCallback"]
+__all__ = ["ElasticCallback", "LoopSettings", "refuse_sharding"]

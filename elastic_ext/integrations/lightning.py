@@ -17,16 +17,20 @@ the loop's exactly-once order (``batch_sampler``)::
     loader = DataLoader(data, batch_sampler=elastic.batch_sampler(len(data), 32))
     trainer.fit(model, loader, ckpt_path=elastic.resume_from(model))
 
-Put it last in ``callbacks``: the hooks after the boundary (later callbacks', the
-module's ``on_train_batch_end``) do not run for a step the job stops at, and must not
-change what is kept. Not covered: gradient accumulation and manual optimization
-(refused at the start); a ``training_step`` that takes ``dataloader_iter``, or a batch
-skipped by returning None or -1; plateau schedulers (they step after the boundary, so a
-keep there may hold them either side of their step); sharded strategies and optimizers
-(FSDP, DeepSpeed, ZeroRedundancyOptimizer: DDP only); callbacks that swap the weights
-when checkpointing (weight averaging); hyperparameters are not kept (``fit`` does not
-read them) and what ``on_save_checkpoint`` adds must be plain data (tensors, numbers,
-strings, containers); RNG states travel only in durable snapshots.
+It moves itself last among the Trainer's callbacks (``setup``): the hooks after the
+boundary do not run for a step the job stops at; the module's own
+``on_train_batch_end``, which Lightning calls after every callback's, must not change
+what is kept. Gradient accumulation keeps whole optimizer steps (the batches of an
+accumulation a fault cut short are trained again, once); manual optimization is kept
+through the same bracket as ``ElasticLoop.update``, one optimizer step per batch. Not
+covered: a ``training_step`` that takes ``dataloader_iter``, or a batch skipped by
+returning None or -1; plateau schedulers (they step after the boundary, so a keep there
+may hold them either side of their step); sharded strategies and optimizers (FSDP,
+DeepSpeed, model parallelism, ZeroRedundancyOptimizer: refused at the start, DDP only);
+callbacks that swap the weights when checkpointing (weight averaging); hyperparameters
+are not kept (``fit`` does not read them) and what ``on_save_checkpoint`` adds must be
+plain data (tensors, numbers, strings, containers); RNG states travel only in durable
+snapshots.
 
 Lightning's SIGTERM handler broadcasts from inside the signal handler, a collective on
 one rank at a random point of the step, and its teardown puts back the handlers it
@@ -85,6 +89,34 @@ def keep_signal_handlers(trainer: pl.Trainer) -> None:
                            "register_signal_handlers; elastic-ext's Lightning callback needs "
                            "lightning 2.6 (pip install 'elastic-ext[lightning]')")
     connector.register_signal_handlers = lambda: None
+
+
+SHARDED_HINT = ("the callback keeps and hands off replicated (DDP) state only, not a sharded "
+                "model's yet: use strategy='ddp', or a loop of your own on "
+                "elastic_ext.ElasticLoop with loop.mesh() for FSDP2 and HSDP "
+                "(docs/snapshot-hook.md#sharded-state-fsdp2-hsdp)")
+
+
+def refuse_sharding(trainer: pl.Trainer) -> None:
+    """Raise before training when ``trainer`` shards the model or the optimizer (FSDP,
+    DeepSpeed, model parallelism, ``ZeroRedundancyOptimizer``): the callback would keep a
+    shard as if it were the whole state."""
+    from lightning.pytorch.strategies import (
+        DeepSpeedStrategy,
+        FSDPStrategy,
+        ModelParallelStrategy,
+    )
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    strategy = trainer.strategy
+    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)):
+        raise RuntimeError(f"ElasticCallback: strategy {type(strategy).__name__} shards the "
+                           f"model; {SHARDED_HINT}")
+    zero = [type(o).__name__ for o in getattr(strategy, "optimizers", ())
+            if isinstance(o, ZeroRedundancyOptimizer)]
+    if zero:
+        raise RuntimeError(f"ElasticCallback: {zero[0]} shards the optimizer's state; "
+                           f"{SHARDED_HINT}")
 
 
 def loops_state(trainer: pl.Trainer) -> dict[str, Any]:
@@ -207,8 +239,15 @@ class ElasticCallback(pl.Callback):
         """Before Lightning installs its signal handlers: it installs none. Its SIGTERM
         handler broadcasts from inside the handler (a collective on one rank at a random
         point of the step) and its teardown would put back the guard's after ``finish``;
-        the guard stops the job at the step boundary instead."""
+        the guard stops the job at the step boundary instead. A sharded strategy is
+        refused here, before any step."""
+        refuse_sharding(trainer)
         keep_signal_handlers(trainer)
+        # Last in the list: later callbacks' on_train_batch_end would not run for a step the
+        # job stops at. A new list, so the loop now calling ``setup`` goes on unchanged (an
+        # attribute Lightning's callback connector sets on the instance).
+        attributes = vars(trainer)
+        attributes["callbacks"] = [c for c in attributes["callbacks"] if c is not self] + [self]
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.world_size != self.loop.world_size:
@@ -220,10 +259,6 @@ class ElasticCallback(pl.Callback):
             raise RuntimeError("ElasticCallback: call trainer.fit(..., ckpt_path=callback."
                                "resume_from(model)) so that a new round starts from the step "
                                "the others hold")
-        if not pl_module.automatic_optimization or trainer.accumulate_grad_batches != 1:
-            raise RuntimeError("ElasticCallback keeps whole optimizer steps of automatic "
-                               "optimization: drop accumulate_grad_batches and manual "
-                               "optimization, or write the loop with elastic_ext.ElasticLoop")
         if self._sampler is None:
             logger.warning("the DataLoader has no ElasticCallback.batch_sampler: each new "
                            "round starts its epoch's data over")
@@ -232,6 +267,7 @@ class ElasticCallback(pl.Callback):
             raise RuntimeError(
                 f"the Trainer starts at step {trainer.global_step} but elastic-ext restored "
                 f"step {self.loop.step}: resume only from ElasticCallback.resume_from(model)")
+        refuse_sharding(trainer)  # the optimizers exist from here on
         self._state.trainer = trainer
         self._state.at_boundary(self.loop.step, trainer)
         self.loop.framework.track(lightning=self._state)
@@ -244,16 +280,31 @@ class ElasticCallback(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
+        """Lightning calls it before each optimizer step, of automatic optimization (the
+        last batch of an accumulation) and of manual (``optimizer.step()`` in
+        ``training_step``) alike: the update begins."""
         self.loop.framework.begin_update()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
         """After the optimizer's and the step-interval schedulers' step: the update is
-        complete, then the step boundary (which may keep or commit and exit)."""
+        complete, then the step boundary (which may keep or commit and exit). A batch
+        that stepped no optimizer (one of an accumulation but its last) is no boundary:
+        a fault before the accumulation's end keeps the last whole optimizer step, and
+        the data position of that step, so its batches are trained again, once."""
+        if not self.loop.framework.updating:
+            self.loop.framework.pause_hang_check(True)
+            return
         self._state.at_boundary(self.loop.step + 1, trainer)
         self.loop.framework.end_update()
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         self.loop.step_done(loss if isinstance(loss, torch.Tensor) else None)
+        if trainer.global_step != self.loop.step:
+            raise RuntimeError(
+                f"the Trainer counts {trainer.global_step} optimizer steps where elastic-ext "
+                f"counts {self.loop.step} batches that stepped: ElasticCallback keeps one "
+                "optimizer step per batch (manual optimization with several optimizers: "
+                "write the loop with elastic_ext.ElasticLoop)")
         # Validation, logging and checkpoints run between batches: not a hang.
         self.loop.framework.pause_hang_check(True)
 
@@ -281,4 +332,5 @@ class ElasticCallback(pl.Callback):
             self._resume_dir = None
 
 
-__all__ = ["ElasticCallback", "dump_checkpoint", "keep_signal_handlers", "loops_state"]
+__all__ = ["ElasticCallback", "LoopSettings", "dump_checkpoint", "keep_signal_handlers",
+           "loops_state", "refuse_sharding"]

@@ -3,7 +3,8 @@
 Rounds, restores by source, faults and preemptions, steps trained twice and time not
 training, as a short text (or ``--json``), and with ``--out DIR`` the same as
 ``report.json`` plus the timeline ``report.png`` (the chaos harness's picture, for any
-run of the bundled trainer or of a loop that writes the same events). The analysis is
+run of the bundled trainer or of a loop that writes the same events). ``--events`` adds
+the agents' events files: the stragglers they named, on the same timeline. The analysis is
 :mod:`elastic_ext.ops.runlog`, the picture :mod:`elastic_ext.ops.timeline`; this module only
 reads the file and writes the results, the one place of the command that prints.
 """
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from elastic_ext.jsonlines import read_json_lines
 from elastic_ext.ops.runlog import (
     RunLogError,
     RunSummary,
@@ -26,6 +28,7 @@ from elastic_ext.ops.runlog import (
     steps_text,
     stop_label,
     summarize,
+    with_agent_events,
 )
 from elastic_ext.ops.timeline import MissingMatplotlib, draw
 
@@ -37,6 +40,10 @@ EPILOG = """\
 METRICS.jsonl is the file the bundled trainer writes with --metrics (the chaos harness
 keeps one in each work directory), or any file of the same JSON lines: event (start,
 step, snapshot, preempted, done), step, world_size and time; start has resumed_from.
+
+--events adds the agents' events files (--rdzv-conf events_file=PATH; a directory: every
+*.jsonl in it): the stragglers they named ("slow" events) join the summary and the
+timeline.
 
 Exit status: 0 done, 1 the picture could not be drawn (no matplotlib:
 pip install 'elastic-ext[report]'), 2 the metrics file could not be read.
@@ -53,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser, name: str = "report") -> None
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--dpi", type=int, default=100,
                         help="resolution of report.png (default %(default)s)")
+    parser.add_argument("--events", type=Path, action="append", default=[],
+                        metavar="EVENTS.jsonl",
+                        help="an agent's events file (events_file=), or a directory of "
+                        "them; may be repeated: adds the stragglers the agents named")
 
 
 def read_events(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
@@ -72,6 +83,26 @@ def read_events(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
     except OSError as exc:
         raise RunLogError(f"{path}: {exc.strerror or exc}") from None
     return parse_events(text, str(path))
+
+
+def read_agent_events(paths: Sequence[Path]) -> list[dict[str, Any]]:
+    """Every event of the agents' events files at ``paths`` (a directory: its ``*.jsonl``);
+    :class:`RunLogError` for a path that is not there. A torn line is skipped."""
+    events: list[dict[str, Any]] = []
+    for path in paths:
+        if path.is_dir():
+            files = sorted(path.glob("*.jsonl"))
+        elif path.exists():
+            files = [path]
+        else:
+            raise RunLogError(f"{path}: no such file; give an agent's events file "
+                              "(--rdzv-conf events_file=PATH) or a directory of them")
+        for file in files:
+            try:
+                events += read_json_lines(file)
+            except (OSError, UnicodeDecodeError) as exc:
+                raise RunLogError(f"{file}: not an events file ({exc})") from None
+    return events
 
 
 # ------------------------------------------------------------------------------ views
@@ -139,6 +170,11 @@ def as_data(summary: RunSummary, metrics: Path,
         "params_sha256": summary.params_sha256,
         "ignored_events": summary.ignored,
         "unreadable_lines": list(unreadable),
+        "stragglers": [{"t": _rel(s.time, t0), "node": s.node, "own_s": s.own_s,
+                        "others_s": s.others_s, "step_s": s.step_s, "gain": s.gain,
+                        "dropped": s.dropped, "named_by": s.by} for s in summary.stragglers],
+        "agent_events": summary.agent_events,
+        "ignored_straggler_events": summary.agent_events_ignored,
     }
 
 
@@ -162,6 +198,10 @@ def as_text(summary: RunSummary, metrics: Path, unreadable: Sequence[int] = ()) 
                          ("new rounds at a step boundary", summary.new_rounds)):
         listed = f" ({'; '.join(m.label for m in marks)})" if marks else ""
         lines.append(f"{title}: {len(marks)}{listed}")
+    if summary.agent_events is not None:  # without the agents' events, nothing to say
+        listed = "; ".join(f"t={s.time - t0:.1f}s {s.label}" for s in summary.stragglers)
+        lines.append(f"stragglers: {len(summary.stragglers)}"
+                     + (f" ({listed})" if listed else ""))
     lines.append(f"steps trained twice: {summary.steps_redone} (redone after a restore)")
     parts = [] if summary.startup_s is None else [f"start-up {summary.startup_s:.1f}s"]
     if summary.gaps_s:
@@ -171,6 +211,9 @@ def as_text(summary: RunSummary, metrics: Path, unreadable: Sequence[int] = ()) 
     lines.append(f"total run time: {summary.total_s:.1f}s")
     if summary.ignored:
         lines.append(f"ignored: {summary.ignored} event(s) logged before the first start")
+    if summary.agent_events_ignored:
+        lines.append(f"ignored: {summary.agent_events_ignored} straggler event(s) outside the "
+                     "run's time (another run's, in the same events file?)")
     if unreadable:
         lines.append(f"skipped: {len(unreadable)} line(s) that are not JSON (torn by a crash?): "
                      + ", ".join(map(str, unreadable[:10])) + (" ..." if len(unreadable) > 10
@@ -198,6 +241,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     try:
         events, unreadable = read_events(args.metrics)
         summary = summarize(events)
+        if args.events:
+            summary = with_agent_events(summary, read_agent_events(args.events))
     except RunLogError as exc:
         err.write(f"elastic-ext report: {exc}\n")
         return EXIT_BAD_INPUT

@@ -14,13 +14,17 @@ with ``stopped`` was restarted by its agents at a step boundary (a membership ch
 A round that ends without ``done``, ``preempted`` or ``stopped`` and is followed by
 another one was cut short: a *fault* (a killed or lost worker or node), visible in
 the metrics only by its silence.
+
+The agents' events files (``--rdzv-conf events_file``, ``rendezvous/agent/events.py``)
+add what only the agents know: the stragglers they named (``slow`` events,
+:func:`with_agent_events`), on the same unix-time axis.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import Any, TypeVar
 
@@ -30,6 +34,12 @@ REQUIRED = ("event", "step", "world_size", "time")
 """The fields every event must have to be placed on the timeline."""
 
 RATE_WINDOW = 1.0  # seconds per bin of the step-rate curve
+
+AGENT_EVENT_SLACK_S = 60.0
+"""Agents' events this long before the run's first event or after its last still belong to
+it: the metrics file may be read mid-run, and the agent that names a straggler may run on
+another machine than rank 0, whose clock may differ a little. Events further out (an
+events file several runs appended to) are counted as ignored."""
 
 BoundaryT = TypeVar("BoundaryT", bound="Boundary")
 
@@ -264,6 +274,47 @@ class Mark:
 
 
 @dataclass(frozen=True)
+class Straggler:
+    """A node an agent named slow (its ``slow`` event): its own work per step against the
+    other nodes' median, and whether it was left out (``straggler=drop``)."""
+
+    time: float
+    node: str  # the slow node (the event's ``peer``)
+    own_s: float
+    others_s: float
+    dropped: bool
+    by: str = ""  # the agent that named it
+    step_s: float | None = None  # the job's step time then
+    gain: float | None = None  # samples/s without it over samples/s with it
+
+    @property
+    def label(self) -> str:
+        """``node-b slow: own 0.300s vs 0.100s (3.0x), left out``."""
+        ratio = f" ({self.own_s / self.others_s:.1f}x)" if self.others_s > 0 else ""
+        return (f"{self.node} slow: own {self.own_s:.3f}s vs {self.others_s:.3f}s{ratio}, "
+                + ("left out" if self.dropped else "kept"))
+
+    @classmethod
+    def from_event(cls, event: Event) -> Straggler | None:
+        """The straggler a ``slow`` event names; None for another event or a malformed one."""
+        numbers = [event.get(k) for k in ("time", "own_s", "others_s")]
+        if event.get("event") != "slow" or not isinstance(event.get("peer"), str) or \
+                not all(_is(v, (int, float)) for v in numbers):
+            return None
+        optional = [event.get(k) if _is(event.get(k), (int, float)) else None
+                    for k in ("step_s", "gain")]
+        return cls(float(event["time"]), event["peer"], float(event["own_s"]),
+                   float(event["others_s"]), event.get("dropped") is True,
+                   str(event.get("node", "")), *optional)
+
+    def mark(self) -> Mark:
+        """The timeline's line: short, as the picture's labels stand in a narrow strip."""
+        ratio = f" {self.own_s / self.others_s:.1f}x" if self.others_s > 0 else ""
+        return Mark(self.time, f"{self.node} slow{ratio}, "
+                    + ("left out" if self.dropped else "kept"), "slow")
+
+
+@dataclass(frozen=True)
 class RunSummary:
     """What happened during a run, from its metrics events alone."""
 
@@ -283,6 +334,9 @@ class RunSummary:
     params_sha256: str | None
     last_step: int                         # the highest step logged
     ignored: int                           # events logged before the first start
+    stragglers: tuple[Straggler, ...] = ()  # named by the agents (with_agent_events)
+    agent_events: int | None = None        # agents' events read; None: no events file given
+    agent_events_ignored: int = 0          # straggler events outside the run's time
 
     @property
     def rounds(self) -> int:
@@ -315,6 +369,7 @@ class RunSummary:
             if seg.step_times and (restore.round > 1 or restore.source != "fresh"):
                 marks.append(Mark(seg.step_times[0], "", "recovery"))
         marks += [*self.preemptions, *self.new_rounds, *self.faults]
+        marks += [s.mark() for s in self.stragglers]
         return sorted(marks, key=lambda m: m.time)
 
 
@@ -367,3 +422,16 @@ def summarize(events: Sequence[Event],
         final_step=int(done[-1]["step"]) if done else None,
         params_sha256=done[-1].get("params_sha256") if done else None,
         last_step=max(seen, default=segments[0].base), ignored=len(stray))
+
+
+def with_agent_events(summary: RunSummary, events: Sequence[Event]) -> RunSummary:
+    """``summary`` with what the agents' events add: the stragglers they named during the
+    run's time (:data:`AGENT_EVENT_SLACK_S`), each once (the same file given twice, or a
+    directory and a file in it)."""
+    start = summary.started - AGENT_EVENT_SLACK_S
+    end = summary.started + summary.total_s + AGENT_EVENT_SLACK_S
+    named = {s for s in map(Straggler.from_event, events) if s is not None}
+    kept = tuple(sorted((s for s in named if start <= s.time <= end),
+                        key=lambda s: (s.time, s.node)))
+    return replace(summary, stragglers=kept, agent_events=len(events),
+                   agent_events_ignored=len(named) - len(kept))

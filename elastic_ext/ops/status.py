@@ -4,7 +4,10 @@ Read-only: these commands never write to the store, and on the embedded store th
 connect as clients (they never host it). ``status --watch`` refreshes until interrupted:
 in place on a terminal, one block (or with ``--json`` one JSON document per line) per
 refresh otherwise, and it lists the last events it saw, so an operator can leave it open
-through faults and store outages.
+through faults and store outages. Each node's pace (its step time and its slowest worker's
+own work per step, from its heartbeat) is shown, and a node slower than the job's
+``straggler_margin`` at this moment is marked ``slow``: the same rule the agents judge
+stragglers by (``protocol/straggler.py``), without their wait of ``straggler_for``.
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ from typing import Any, TextIO
 
 from elastic_ext.rendezvous.errors import ConfigError
 from elastic_ext.rendezvous.protocol.liveness import LEFT
+from elastic_ext.rendezvous.protocol.pace import Pace
 from elastic_ext.rendezvous.protocol.policy import stalled_rounds
 from elastic_ext.rendezvous.protocol.state import Phase, RunState
+from elastic_ext.rendezvous.protocol.straggler import StragglerJudge, StragglerRules
 from elastic_ext.rendezvous.settings import Settings, parse_settings
 from elastic_ext.rendezvous.stores.contract import StoreBackend
 from elastic_ext.rendezvous.stores.open import open_backend
-from elastic_ext.rendezvous.stores.wire import parse_beat
+from elastic_ext.rendezvous.stores.wire import pace_of, parse_beat
 
 LIST_RUN_ID = "elastic-ext-list"
 """``list`` looks at the whole key prefix; the settings it opens the store with still name a run."""
@@ -66,24 +71,31 @@ def connect(endpoint: str, run_id: str, conf: Mapping[str, str]) -> tuple[Settin
 
 
 def describe(state: RunState | None, beats: Mapping[str, bytes | None], now: float,
-             snapshot_step: int | None, beats_expire: bool = False) -> dict[str, Any]:
+             snapshot_step: int | None, beats_expire: bool = False,
+             straggler: StragglerRules | None = None) -> dict[str, Any]:
     """The status report as data. Pure, so the text and JSON views agree. Where heartbeat
     keys expire (etcd's leases, ``StoreBackend.heartbeats_expire``) a key's value is as
     old as the agent's announcement, so its age says nothing: ``lease_held`` instead, and
-    no ``heartbeat_age_s``."""
+    no ``heartbeat_age_s``. ``straggler``: the job's rules, whose margin marks a node
+    ``slow``."""
     if state is None:
         return {"exists": False, "newest_snapshot_step": snapshot_step}
+    rules = straggler or StragglerRules()
+    members = list(state.order) if state.phase is Phase.CLOSED else list(state.members)
+    slow = _slow_now(state, members, beats, rules)
 
     def node(name: str) -> dict[str, Any]:
         info = state.members.get(name) or state.waiting.get(name)
         beat = parse_beat(beats.get(name))
         held = beats_expire and beat is not None
+        pace = pace_of(beats.get(name))
         return {"node": name, "address": f"{info.addr}:{info.port}" if info else None,
                 "heartbeat_age_s": None if beat is None or held
                 else round(max(0.0, now - beat[1]), 1),
-                "lease_held": held, "left": beats.get(name) == LEFT}
+                "lease_held": held, "left": beats.get(name) == LEFT,
+                "step_s": None if pace is None else pace.step_s,
+                "own_s": None if pace is None else pace.own_s, "slow": name in slow}
 
-    members = list(state.order) if state.phase is Phase.CLOSED else list(state.members)
     left = None if state.max_restarts is None else max(0, state.max_restarts - state.restarts)
     return {
         "exists": True, "generation": state.generation, "round": state.round,
@@ -96,7 +108,19 @@ def describe(state: RunState | None, beats: Mapping[str, bytes | None], now: flo
         "newest_snapshot_step": snapshot_step,
         "rounds_without_progress": stalled_rounds(state),
         "left_out": dict(state.excluded),
+        "slow_nodes": sorted(slow), "straggler_margin": rules.margin,
     }
+
+
+def _slow_now(state: RunState, members: list[str], beats: Mapping[str, bytes | None],
+              rules: StragglerRules) -> set[str]:
+    """The closed round's nodes slower than the margin now, by the agents' own rule. An
+    open round has no workers stepping, and a leaving node's pace is its last."""
+    if state.phase is not Phase.CLOSED:
+        return set()
+    paces: dict[str, Pace | None] = {n: pace_of(beats.get(n)) for n in members
+                                     if n not in state.leaving}
+    return StragglerJudge(rules, min_nodes=1).slow_now(paces)
 
 
 def render(report: dict[str, Any], run_id: str, where: str) -> str:
@@ -125,7 +149,8 @@ def render(report: dict[str, Any], run_id: str, where: str) -> str:
         lines.append(f"  left out: {name}: {why}")
     if report["newest_snapshot_step"] is not None:
         lines.append(f"  newest snapshot: step {report['newest_snapshot_step']}")
-    lines.append("  rank  node                              address                heartbeat")
+    lines.append("  rank  node                              address                heartbeat"
+                 "    step      own")
 
     def age(n: dict[str, Any]) -> str:
         if n["left"]:
@@ -133,11 +158,21 @@ def render(report: dict[str, Any], run_id: str, where: str) -> str:
         if n.get("lease_held"):
             return "lease held"
         return "none" if n["heartbeat_age_s"] is None else f"{n['heartbeat_age_s']:.1f}s ago"
+
+    def pace(n: dict[str, Any]) -> str:
+        step, own = (n.get(k) for k in ("step_s", "own_s"))
+        text = " ".join(f"{'-' if v is None else f'{v:.3f}s':<9}" for v in (step, own))
+        return (text + " slow").rstrip() if n.get("slow") else text.rstrip()
     for n in report["members"]:
         rank = "-" if n["rank"] is None else str(n["rank"])
-        lines.append(f"  {rank:<5} {n['node']:<33} {str(n['address']):<22} {age(n)}")
+        lines.append(f"  {rank:<5} {n['node']:<33} {str(n['address']):<22} {age(n):<12} "
+                     f"{pace(n)}")
     for n in report["waiting"]:
-        lines.append(f"  wait  {n['node']:<33} {str(n['address']):<22} {age(n)}")
+        lines.append(f"  wait  {n['node']:<33} {str(n['address']):<22} {age(n):<12} "
+                     f"{pace(n)}")
+    if report.get("slow_nodes"):
+        lines.append(f"  slow: own step work over {report['straggler_margin']:g}x the other "
+                     "nodes' median (straggler_margin)")
     return "\n".join(lines) + "\n" + _render_recent(report)
 
 
@@ -155,7 +190,8 @@ RECENT_EVENTS = 5
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
 
-def read_report(backend: StoreBackend, snapshot_dir: Path | None) -> dict[str, Any]:
+def read_report(backend: StoreBackend, snapshot_dir: Path | None,
+                straggler: StragglerRules | None = None) -> dict[str, Any]:
     """One look at the run: its state, everyone's heartbeat, the newest snapshot."""
     current = backend.get_state()
     state = RunState.from_bytes(current[0]) if current else None
@@ -166,7 +202,8 @@ def read_report(backend: StoreBackend, snapshot_dir: Path | None) -> dict[str, A
 
         manifest = newest_valid(snapshot_dir)
         snapshot_step = manifest.step if manifest else None
-    return describe(state, beats, time.time(), snapshot_step, backend.heartbeats_expire)
+    return describe(state, beats, time.time(), snapshot_step, backend.heartbeats_expire,
+                    straggler)
 
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
@@ -178,8 +215,8 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
             raise ConfigError("--interval must be > 0 and --count >= 1")
         settings, backend = connect(args.endpoint, args.run_id, conf)
         if args.watch:
-            return watch(backend, args, settings.describe_endpoints(), out)
-        report = read_report(backend, args.snapshot_dir)
+            return watch(backend, args, settings.describe_endpoints(), out, settings.straggler)
+        report = read_report(backend, args.snapshot_dir, settings.straggler)
     except Exception as exc:  # an operator command: one line, no traceback
         print(f"elastic-ext {args.command}: {exc}", file=sys.stderr)
         return 2
@@ -190,7 +227,8 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     return 0
 
 
-def watch(backend: StoreBackend, args: argparse.Namespace, where: str, out: TextIO) -> int:
+def watch(backend: StoreBackend, args: argparse.Namespace, where: str, out: TextIO,
+          straggler: StragglerRules | None = None) -> int:
     """Refresh every ``args.interval`` seconds until interrupted (or ``args.count`` times).
 
     A refresh that cannot reach the store says so and the watch goes on: the store may
@@ -202,7 +240,7 @@ def watch(backend: StoreBackend, args: argparse.Namespace, where: str, out: Text
     try:
         while True:
             try:
-                report = read_report(backend, args.snapshot_dir)
+                report = read_report(backend, args.snapshot_dir, straggler)
             except Exception as exc:
                 report = {"exists": None, "error": str(exc)}
             report["time"] = round(time.time(), 3)

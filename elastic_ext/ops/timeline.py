@@ -25,6 +25,7 @@ STYLES: dict[str, tuple[str, str]] = {
     "round": ("tab:blue", "-."),       # a round's start event
     "preempted": ("tab:purple", "--"),  # a round stopped on a signal at a step boundary
     "new-round": ("tab:olive", "--"),   # a round stopped at a step boundary for a new one
+    "slow": ("tab:brown", ":"),         # an agent named a straggler (its events file)
 }
 
 

@@ -66,6 +66,15 @@ CONF_KEYS: dict[str, tuple[str, str]] = {
                         "`no_hang_check()`, or a stuck rank of a one-worker node) is hung"),
     "hang_startup": ("300", "seconds a round's first two steps may take (restore, "
                             "compilation, the first batches) before it is hung"),
+    "straggler": ("warn", "`off`, `warn` or `drop`: a node whose own step work (DDP's "
+                          "compute, without the wait for the others) takes `straggler_margin` "
+                          "x the other nodes' for `straggler_for` seconds is named in an event "
+                          "and `elastic-ext status`; `drop` also leaves it out at the next "
+                          "step boundary, free, when the others would train more samples per "
+                          "second without it and `--nnodes` MIN allows"),
+    "straggler_margin": ("1.5", "how many times the other nodes' own step time makes a node "
+                                "slow"),
+    "straggler_for": ("30", "seconds a node stays slow before it is named (and dropped)"),
     "reach_timeout": ("0.75", "seconds a node spends at most, when its round closes and "
                               "before its workers start, connecting to its ring neighbours "
                               "at the addresses they publish for their workers; a node most "

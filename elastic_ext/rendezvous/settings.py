@@ -19,6 +19,8 @@ from typing import Any
 from elastic_ext.rendezvous.conf_keys import CONF_KEYS, DEFAULT_PASSWORD_ENV, RENAMED
 from elastic_ext.rendezvous.errors import ConfigError
 from elastic_ext.rendezvous.protocol.hang import HangRules
+from elastic_ext.rendezvous.protocol.straggler import MODES as STRAGGLER_MODES
+from elastic_ext.rendezvous.protocol.straggler import StragglerRules
 from elastic_ext.rendezvous.torch_conf import ALIASES, TORCH_ONLY
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,7 @@ class Settings:
     heartbeat_mode: str = "write"  # or "lease" (etcd)
     reach_timeout: float = 0.75  # the ring check before the workers start (``reach.py``)
     hang: HangRules = HangRules()
+    straggler: StragglerRules = StragglerRules()
 
     @property
     def run_prefix(self) -> str:
@@ -345,4 +348,16 @@ def parse_settings(*, endpoint: str, run_id: str, min_nodes: int, max_nodes: int
                        busy=_number("hang_busy", conf.get("hang_busy", 60), minimum=1),
                        peers_judged=timeouts.heartbeat + timeouts.heartbeat_interval + 0.5,
                        enabled=_on_off("hang_check", conf.get("hang_check", "on"))),
+        straggler=_straggler_rules(conf),
     )
+
+
+def _straggler_rules(conf: dict[str, Any]) -> StragglerRules:
+    mode = str(conf.get("straggler", "warn")).strip().lower()
+    if mode not in STRAGGLER_MODES:
+        raise ConfigError(f"--rdzv-conf straggler={mode!r} must be one of "
+                          f"{', '.join(STRAGGLER_MODES)}")
+    return StragglerRules(
+        mode=mode, margin=_number("straggler_margin", conf.get("straggler_margin", 1.5),
+                                  minimum=1.05),
+        for_s=_number("straggler_for", conf.get("straggler_for", 30), minimum=1))

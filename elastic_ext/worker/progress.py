@@ -9,6 +9,12 @@ daemon thread writes them with the main thread's innermost Python frame to
 at all is itself a signal: a process stopped, or whose GIL is held by a deadlocked
 thread, stops beating, while a rank blocked in a collective (which releases the GIL)
 beats on. Only under an etcd-ext agent (``ELASTIC_EXT_CONTROL_DIR``); otherwise inert.
+
+Where the worker trains through DDP, the beacon also carries its *own* time per step: the
+forward and backward compute DDP's reducer times (``torch_compat.ddp_own_seconds``),
+without the wait for the other ranks, which is what tells a straggler apart when every
+rank finishes its steps at the slowest one's pace (``rendezvous/protocol/pace.py``). The
+DDP module is found by a global forward pre-hook, removed at the first step boundary.
 """
 
 from __future__ import annotations
@@ -20,11 +26,16 @@ import statistics
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from elastic_ext import torch_compat
 from elastic_ext.control_channel import BEAT, CONTROL_DIR_ENV, atomic_write
 from elastic_ext.worker import control
 
@@ -43,6 +54,50 @@ _IN_COLLECTIVE = (f"{os.sep}torch{os.sep}distributed{os.sep}",
 pass whose gradient hooks wait for DDP's or FSDP's reductions."""
 
 
+class OwnTime:
+    """This worker's own compute per step, from the DDP module its first step ran (none:
+    no own time); read on the training thread at each step boundary."""
+
+    def __init__(self) -> None:
+        self._ddp: weakref.ref[DistributedDataParallel] | None = None
+        self._hook: torch.utils.hooks.RemovableHandle | None = None
+        self._iteration = -1
+        self.times: deque[float] = deque(maxlen=RECENT_STEPS)
+
+    def start_looking(self) -> None:
+        """Watch every module's forward for a DDP one until the first step boundary."""
+        if self._hook is None and self._ddp is None:
+            self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._spot)
+
+    def _spot(self, module: torch.nn.Module, args: object) -> None:
+        if isinstance(module, DistributedDataParallel) and self._ddp is None:
+            self._ddp = weakref.ref(module)
+            torch_compat.time_every_ddp_step(module)
+            self.stop_looking()
+
+    def stop_looking(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def step(self) -> None:
+        """A step boundary: the first ends the search for a DDP module (its forward ran by
+        then, if there is one); then the last step DDP timed, if it is new."""
+        self.stop_looking()
+        ddp = self._ddp() if self._ddp is not None else None
+        if ddp is None:
+            return
+        try:
+            timed = torch_compat.ddp_own_seconds(ddp)
+        except Exception:  # a torch that changed it (tests/test_torch_compat.py says)
+            logger.debug("DDP's runtime stats unreadable: no own time", exc_info=True)
+            self._ddp = None
+            return
+        if timed is not None and timed[0] != self._iteration:
+            self._iteration = timed[0]
+            self.times.append(timed[1])
+
+
 class ProgressBeacon:
     """Tells the agent, from a daemon thread, how far this worker got and where it is."""
 
@@ -54,6 +109,7 @@ class ProgressBeacon:
         self._round = control.current_round()
         self._last_at: float | None = None
         self._times: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._own = OwnTime()
         self._paused = 0
         self._pause_began = 0.0
         self._stopped = threading.Event()
@@ -68,13 +124,15 @@ class ProgressBeacon:
         if not path or not Path(path).is_dir():
             return None
         beacon = cls(Path(path), int(os.environ.get("LOCAL_RANK", "0")))
+        beacon._own.start_looking()
         beacon._thread.start()
         return beacon
 
     def step(self) -> None:
         """One more step is complete (the caller's boundary: the device finished it)."""
         now = time.monotonic()
-        with self._lock:
+        with self._lock:  # the beacon thread reads the own times under it too
+            self._own.step()
             if self._last_at is not None:
                 self._times.append(now - self._last_at)
             self._step, self._last_at = self._step + 1, now
@@ -110,6 +168,7 @@ class ProgressBeacon:
         it is paused, and its silence after that blames nobody."""
         with self._write_lock:  # after the thread's last write, never before it
             self._stopped.set()
+            self._own.stop_looking()
             with self._lock:
                 self._paused += 1
             try:
@@ -129,6 +188,7 @@ class ProgressBeacon:
                 "pid": os.getpid(), "round": self._round, "step": self._step,
                 "steps_in_round": self._step,
                 "step_s": statistics.median(self._times) if self._times else None,
+                "own_s": statistics.median(own) if (own := tuple(self._own.times)) else None,
                 "paused": self._paused > 0, "waiting": waiting, "where": where,
                 "backend": _backend(), "at": time.time()}
         return record

@@ -21,12 +21,15 @@ def explain(result: RunResult, tail: int = 4000) -> str:
     return "\n".join(lines)
 
 
-def run_program(text: str, name: str, program: Path, workdir: Path) -> RunResult:
+def run_program(text: str, name: str, program: Path, workdir: Path,
+                extra: tuple[str, ...] = ()) -> RunResult:
     """Scenario ``text`` played against ``program`` (a script on ``ElasticLoop`` that
-    speaks the trainer's flags and events), after checking what every such run must show:
-    no broken invariant, a restart, a last step, no step lost or trained twice."""
+    speaks the trainer's flags and events, and ``extra`` flags of its own), after checking
+    what every such run must show: no broken invariant, a restart, a last step, no step
+    lost or trained twice."""
     result = run_scenario(parse(text, name),
-                          RunOptions(workdir=workdir, module=str(program), reference=False))
+                          RunOptions(workdir=workdir, module=str(program), reference=False,
+                                     trainer_extra=extra))
     verdict = result.verdict
     assert not result.skipped, result.skipped
     assert verdict is not None and verdict.ok, explain(result)

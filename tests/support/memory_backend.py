@@ -16,6 +16,7 @@ from torch.distributed import HashStore, Store
 from elastic_ext.rendezvous.errors import StoreUnavailableError
 from elastic_ext.rendezvous.protocol.clock import Clock
 from elastic_ext.rendezvous.protocol.liveness import LEFT
+from elastic_ext.rendezvous.protocol.pace import Pace
 from elastic_ext.rendezvous.stores.contract import StoreBackend, Token, poll_until
 from elastic_ext.rendezvous.stores.wire import (
     HEAD_KEY,
@@ -187,10 +188,11 @@ class MemoryBackend(StoreBackend):
             self.store.check_up()
             return (self.store.keys.get(self._prefix + "verdict") or (None, 0))[0]
 
-    def beat(self, node: str, presence_port: int | None = None) -> None:
+    def beat(self, node: str, presence_port: int | None = None, pace: Pace | None = None
+             ) -> None:
         self._beats += 1
         if node not in self._left:
-            self._put_beat(node, heartbeat_value(self._beats, presence_port))
+            self._put_beat(node, heartbeat_value(self._beats, presence_port, pace))
 
     def _put_beat(self, node: str, value: bytes) -> None:
         with self.store.lock:

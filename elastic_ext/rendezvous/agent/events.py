@@ -42,6 +42,7 @@ class EventKind(str, enum.Enum):
     JOB_STOPPING = "job_stopping"  # why: the whole job stops with a durable snapshot
     LEFT = "left"  # this agent left the run
     HUNG = "hung"  # why, culprits: no training step for longer than the hang limit
+    SLOW = "slow"  # peer, own_s, others_s, step_s, gain, dropped: a straggler (``straggler.py``)
 
 
 _NODE_STATES = {EventKind.JOINED: NodeState.RUNNING, EventKind.BUDGET_SPENT: NodeState.FAILED,

@@ -13,7 +13,8 @@ the keys arrive by a watch: ``stores/etcd/backend.py``). On any store the keeper
 to each watched node's presence port and reads a killed agent's end from it (``presence``).
 
 It also carries this node's preemption notice to the run's state and settles it with
-the other nodes' (``drain.py``), and passes a whole-job stop on to the workers.
+the other nodes' (``drain.py``), passes a whole-job stop on to the workers, puts its
+workers' pace in its heartbeat and, as the watcher, judges the others' (``stragglers.py``).
 
 Decisions apart from I/O, as in torch's ``dynamic_rendezvous.py``: the keeper reads the
 store, asks the pure deciders (``watcher.py`` judges, ``pressure.py`` weighs the round;
@@ -39,13 +40,16 @@ from elastic_ext.rendezvous.agent.presence import (
 )
 from elastic_ext.rendezvous.agent.presence_book import PresenceBook
 from elastic_ext.rendezvous.agent.run_view import RunView
+from elastic_ext.rendezvous.agent.stragglers import StragglerWatch
 from elastic_ext.rendezvous.errors import CorruptStateError
 from elastic_ext.rendezvous.protocol.clock import SYSTEM_CLOCK, Clock
 from elastic_ext.rendezvous.protocol.hang import HangRules
 from elastic_ext.rendezvous.protocol.liveness import Liveness, Verdict
+from elastic_ext.rendezvous.protocol.pace import Pace, node_pace
 from elastic_ext.rendezvous.protocol.policy import Limits
 from elastic_ext.rendezvous.protocol.pressure import Action, Pressure, RoundPressure, TellLost
 from elastic_ext.rendezvous.protocol.state import RunState
+from elastic_ext.rendezvous.protocol.straggler import StragglerRules
 from elastic_ext.rendezvous.protocol.watcher import Judgement, Sighting, Watcher
 from elastic_ext.rendezvous.settings import Settings
 from elastic_ext.rendezvous.stores.contract import StoreBackend
@@ -58,7 +62,8 @@ class Keeper:
 
     def __init__(self, backend: StoreBackend, node: str, *, interval: float, timeout: float,
                  limits: Limits, control: AgentControl, events: EventLog,
-                 clock: Clock = SYSTEM_CLOCK, hang_rules: HangRules | None = None) -> None:
+                 clock: Clock = SYSTEM_CLOCK, hang_rules: HangRules | None = None,
+                 straggler: StragglerRules | None = None) -> None:
         self._backend = backend
         self._node = node
         self._interval = interval
@@ -82,6 +87,9 @@ class Keeper:
         self._held = PresenceWatch()  # used by the tick's thread only
         self._notices = NoticeRelay(backend, node, limits=limits, control=control,
                                     events=events, clock=clock, wake=self._wake.set)
+        self._stragglers = StragglerWatch(backend, node, straggler or StragglerRules(),
+                                          limits, events, clock)
+        self.pace: Pace | None = None  # this node's workers' pace as the last tick read it
 
     @classmethod
     def for_settings(cls, backend: StoreBackend, node: str, settings: Settings, *,
@@ -91,7 +99,8 @@ class Keeper:
         and timeout, and the job's ``Limits``."""
         return cls(backend, node, interval=settings.timeouts.heartbeat_interval,
                    timeout=settings.timeouts.heartbeat, limits=Limits.of(settings),
-                   control=control, events=events, clock=clock, hang_rules=settings.hang)
+                   control=control, events=events, clock=clock, hang_rules=settings.hang,
+                   straggler=settings.straggler)
 
     # -- what the handler reads ---------------------------------------------------------
     @property
@@ -220,6 +229,7 @@ class Keeper:
         decided: the verdict, the notice, the round's progress."""
         with self._lock:
             watched, also = self._rounds.round, self._also_watched
+        self.pace = node_pace(self._control.beacons()) if watched is not None else None
         try:
             seen, token, fresh = self._read(also, due)
         except CorruptStateError as exc:
@@ -236,6 +246,7 @@ class Keeper:
             self._publish(judgement.publish)
         view = self._view
         self._notices.act(seen.head, token, judgement.dead, lambda: view.read_state(None))
+        self._stragglers.observe(seen, self.pace, view.state_token)
         if record_progress and seen.state is not None:
             self._record_progress(seen.state, view.state_token)
         if watched is not None:
@@ -250,7 +261,8 @@ class Keeper:
         judging = view.judges(self._watcher.dead)
         nodes = self._watcher.nodes(view.state(read=False) if judging else None, also)
         observed = sorted(nodes) if judging else [watcher] if watcher else []
-        read = self._backend.keeper_read(self._node, self._presence.port, observed, due)
+        read = self._backend.keeper_read(self._node, self._presence.port, observed, due,
+                                         self.pace)
         fresh = view.refresh(read.state_version)
         token = view.token
         # The whole state only for a node that judges everyone (it names them), now or

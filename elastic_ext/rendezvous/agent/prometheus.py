@@ -1,8 +1,9 @@
 """Prometheus metrics of one agent (``--rdzv-conf metrics_port=PORT``), with prometheus-client.
 
 The metrics follow the agent's rendezvous events (``events.py``), the keeper's view of
-its peers' heartbeats (read when scraped), and every request the agent makes to the
-store (``MeasuredBackend``). Each agent has a registry of its own, so that a test or an
+its peers' heartbeats and of its own workers' pace (both read when scraped, so the
+keeper's tick does no metrics work), and every request the agent makes to the store
+(``MeasuredBackend``). Each agent has a registry of its own, so that a test or an
 embedding program with several agents in one process keeps them apart. The names,
 documented in the README, are a contract for dashboards: extend them, never rename.
 """
@@ -21,6 +22,7 @@ from torch.distributed import Store
 from elastic_ext.rendezvous.agent.events import EventKind
 from elastic_ext.rendezvous.errors import ConfigError
 from elastic_ext.rendezvous.protocol.clock import Clock
+from elastic_ext.rendezvous.protocol.pace import Pace
 from elastic_ext.rendezvous.stores.contract import KeeperRead, StoreBackend, Token
 
 if TYPE_CHECKING:
@@ -54,6 +56,7 @@ class AgentMetrics:
         self.port: int | None = None
         """The port ``serve`` bound, once it did."""
         self._peer_silence: Callable[[], Mapping[str, float]] = dict
+        self._pace: Callable[[], Pace | None] = lambda: None
         labels = ["run_id"]
         kw: dict[str, Any] = {"registry": self.registry}
         self.round = Gauge("elastic_ext_round", "Round this agent last joined", labels, **kw)
@@ -75,7 +78,11 @@ class AgentMetrics:
             **kw)
         self.request_errors = Counter("elastic_ext_store_request_errors", "Requests to the "
                                       "store that failed", [*labels, "operation"], **kw)
+        self.stragglers = Counter("elastic_ext_stragglers", "Stragglers this agent named "
+                                  "while it judged the round, by what it did (warn: named "
+                                  "only, drop: left out)", [*labels, "action"], **kw)
         self.registry.register(_PeerHeartbeatAges(run_id, self.peer_ages))
+        self.registry.register(_NodePace(run_id, self.pace))
 
     # -- inputs ---------------------------------------------------------------------------
     def on_event(self, kind: EventKind, fields: Mapping[str, Any]) -> None:
@@ -94,6 +101,8 @@ class AgentMetrics:
             self.restarts_left.labels(run).set(0)
         elif kind in (EventKind.NODE_DEAD, EventKind.NODE_LEFT):
             self.nodes_lost.labels(run, "dead" if kind is EventKind.NODE_DEAD else "left").inc()
+        elif kind is EventKind.SLOW:
+            self.stragglers.labels(run, "drop" if fields.get("dropped") else "warn").inc()
 
     def watch_peers(self, silence: Callable[[], Mapping[str, float]]) -> None:
         """Where the heartbeat ages come from when scraped (the keeper)."""
@@ -102,6 +111,14 @@ class AgentMetrics:
     def peer_ages(self) -> Mapping[str, float]:
         """Each peer's heartbeat age now, from what ``watch_peers`` named."""
         return self._peer_silence()
+
+    def watch_pace(self, pace: Callable[[], Pace | None]) -> None:
+        """Where this node's pace comes from when scraped (the keeper's ``pace``)."""
+        self._pace = pace
+
+    def pace(self) -> Pace | None:
+        """This node's pace now, from what ``watch_pace`` named; None while unknown."""
+        return self._pace()
 
     @contextmanager
     def request(self, operation: str) -> Iterator[None]:
@@ -158,6 +175,34 @@ class _PeerHeartbeatAges:
         for peer, age in sorted(self._ages().items()):
             family.add_metric([self._run_id, peer], age)
         yield family
+
+
+class _NodePace:
+    """A collector: this node's step time and own step time, read from the keeper when
+    scraped; no sample while a figure is unknown (no steps yet, or no DDP: no own time),
+    so that a dashboard shows a gap rather than a made-up zero."""
+
+    def __init__(self, run_id: str, pace: Callable[[], Pace | None]) -> None:
+        self._run_id = run_id
+        self._pace = pace
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        pace = self._pace()
+        step = GaugeMetricFamily(
+            "elastic_ext_step_seconds", "Median time of a training step of this node's "
+            "workers (every node's under DDP: they step together)", labels=["run_id"])
+        own = GaugeMetricFamily(
+            "elastic_ext_own_step_seconds", "Median time of this node's slowest worker's own "
+            "work per step (DDP's forward and backward, without the wait for peers)",
+            labels=["run_id"])
+        if pace is not None:
+            step.add_metric([self._run_id], pace.step_s)
+            if pace.own_s is not None:
+                own.add_metric([self._run_id], pace.own_s)
+        yield step
+        yield own
 
 
 class MeasuredBackend(StoreBackend):
@@ -252,13 +297,15 @@ class MeasuredBackend(StoreBackend):
             return self._inner.read_verdict()
 
     def keeper_read(self, node: str, presence_port: int | None,
-                    watched: Sequence[str], due: bool = True) -> KeeperRead:
+                    watched: Sequence[str], due: bool = True, pace: Pace | None = None
+                    ) -> KeeperRead:
         with self._metrics.request("keeper_read"):
-            return self._inner.keeper_read(node, presence_port, watched, due)
+            return self._inner.keeper_read(node, presence_port, watched, due, pace)
 
-    def beat(self, node: str, presence_port: int | None = None) -> None:
+    def beat(self, node: str, presence_port: int | None = None, pace: Pace | None = None
+             ) -> None:
         with self._metrics.request("beat"):
-            self._inner.beat(node, presence_port)
+            self._inner.beat(node, presence_port, pace)
 
     def leave(self, node: str) -> None:
         with self._metrics.request("leave"):

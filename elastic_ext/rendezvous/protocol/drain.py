@@ -64,3 +64,18 @@ def settled(state: RunState, dead: Set[str], limits: Limits) -> RunState | None:
            f"than --nnodes MIN={limits.min_nodes}; the whole job stops with a durable "
            "snapshot")
     return replace(state, notices={}, stop=why, note=why)
+
+
+def with_left_out(state: RunState, node: str, why: str, limits: Limits) -> RunState | None:
+    """``state`` with ``node``, a member of its closed round, leaving as on a settled notice
+    (``straggler.py``: a straggler dropped); None when the job stops, the node is not in the
+    round or already leaves, or the others would be fewer than ``--nnodes`` MIN."""
+    if state.stop or state.phase is not Phase.CLOSED or node not in state.order \
+            or node in state.leaving or node in state.notices:
+        return None
+    staying = set(state.order) - set(state.leaving) - {node}
+    if len(staying) < limits.min_nodes:
+        return None
+    leaving = {**state.leaving, node: why[:200]}
+    return replace(state, leaving=dict(list(leaving.items())[-_KEPT:]),
+                   note=f"{node} is left out: {why[:200]}")

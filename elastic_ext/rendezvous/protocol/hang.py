@@ -84,6 +84,7 @@ class Beacon:
     backend: str  # the default group's backend ("gloo", "nccl", "" before there is one)
     silent_s: float  # seconds since its beacon thread last wrote
     process: str  # /proc state letter: R, S, D, T, t, Z; "" when the process is gone
+    own_s: float | None = None  # the median of its recent own compute times (``pace.py``)
 
 
 @dataclass(frozen=True)

@@ -356,8 +356,8 @@ def head_pressure(head: Head, me: str, dead: frozenset[str], lost: frozenset[str
         return 1, f"run is {head.status.value}", Reason.FAILURE
     leaving = sorted(head.leaving_members)
     if leaving:
-        return len(leaving), f"leaving on a preemption notice: {', '.join(leaving)}", \
-            Reason.MEMBERSHIP
+        return len(leaving), f"leaving the job (a preemption notice, or a straggler left " \
+            f"out): {', '.join(leaving)}", Reason.MEMBERSHIP
     gone = sorted(lost - {me})
     if gone:
         return len(gone), f"dead or hung: {', '.join(gone)}", Reason.MEMBERSHIP

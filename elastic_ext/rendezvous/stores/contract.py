@@ -23,6 +23,7 @@ from torch.distributed import Store
 
 from elastic_ext.rendezvous.protocol.clock import Clock
 from elastic_ext.rendezvous.protocol.head import head_bytes_of, seat_of, seats_of
+from elastic_ext.rendezvous.protocol.pace import Pace
 from elastic_ext.rendezvous.protocol.state import RunState
 
 Token = Any
@@ -229,10 +230,11 @@ class Heartbeats(ABC):
         return False
 
     @abstractmethod
-    def beat(self, node: str, presence_port: int | None = None) -> None:
+    def beat(self, node: str, presence_port: int | None = None, pace: Pace | None = None
+             ) -> None:
         """Advance ``node``'s heartbeat: store ``heartbeat_value`` of a counter that moves
-        at every call, and of ``presence_port`` (on etcd the key expires with this agent's
-        lease, which ``keeper_read`` renews)."""
+        at every call, of ``presence_port`` and of its workers' ``pace`` (on etcd the key
+        expires with this agent's lease, which ``keeper_read`` renews)."""
 
     @abstractmethod
     def leave(self, node: str) -> None:
@@ -299,7 +301,8 @@ class StoreBackend(StateDocument, JoinBook, Heartbeats, RoundStores):
         return False
 
     def keeper_read(self, node: str, presence_port: int | None,
-                    watched: Sequence[str], due: bool = True) -> KeeperRead:
+                    watched: Sequence[str], due: bool = True, pace: Pace | None = None
+                    ) -> KeeperRead:
         """One keeper tick's store work: ``beat``, then read ``state_version``, the
         heartbeats of ``watched`` and the verdict. ``due``: False for a tick woken before
         its time (a state change, a verdict), which a store may answer without a request.
@@ -307,8 +310,8 @@ class StoreBackend(StateDocument, JoinBook, Heartbeats, RoundStores):
         watches, so that a write made moments before shows once the watch delivered it,
         milliseconds; a tick not due reuses the heartbeats last read and beats at the next;
         with ``heartbeat_mode=lease`` a keep-alive every third of its TTL and the heartbeats
-        from a watch too)."""
-        self.beat(node, presence_port)
+        from a watch too, the value put anew only when the pace moved)."""
+        self.beat(node, presence_port, pace)
         return KeeperRead(self.state_version(), self.read_beats(watched), self.read_verdict())
 
     @abstractmethod

@@ -17,6 +17,7 @@ import zlib
 
 from elastic_ext.rendezvous.errors import CorruptStateError
 from elastic_ext.rendezvous.protocol.head import Head, seats_of
+from elastic_ext.rendezvous.protocol.pace import Pace
 from elastic_ext.rendezvous.protocol.state import RunState, Status
 
 STATE_KEY = "state"
@@ -72,12 +73,19 @@ def unwrap_state(raw: bytes) -> bytes:
         "or delete the key")
 
 
-def heartbeat_value(counter: int, presence_port: int | None = None) -> bytes:
-    """``counter:wall time[:presence port]``: the wall time is for operators (``elastic-ext
-    status``), never for liveness, which watches the counter; the port is where this
-    agent listens (``presence``)."""
+def heartbeat_value(counter: int, presence_port: int | None = None,
+                    pace: Pace | None = None) -> bytes:
+    """``counter:wall time[:presence port[:pace]]``: the wall time is for operators
+    (``elastic-ext status``), never for liveness, which watches the counter; the port is
+    where this agent listens (``presence``), empty when it listens nowhere but a pace
+    follows; the pace is its workers' (``protocol/pace.py``), once they report steps. A
+    job's nodes run one version of etcd-ext: an older one reads no presence port in a
+    value with a pace."""
     value = f"{counter}:{time.time():.3f}"
-    return (value if presence_port is None else f"{value}:{presence_port}").encode()
+    if presence_port is None and pace is None:
+        return value.encode()
+    value = f"{value}:{'' if presence_port is None else presence_port}"
+    return (value if pace is None else f"{value}:{pace.to_text()}").encode()
 
 
 def parse_beat(value: bytes | None) -> tuple[int, float] | None:
@@ -92,6 +100,12 @@ def parse_beat(value: bytes | None) -> tuple[int, float] | None:
 def presence_port_of(value: bytes | None) -> int | None:
     """The presence port a heartbeat value names, if any."""
     parts = (value or b"").decode(errors="replace").split(":")
-    if len(parts) != 3 or not parts[2].isdigit() or not 0 < int(parts[2]) < 65536:
+    if len(parts) not in (3, 4) or not parts[2].isdigit() or not 0 < int(parts[2]) < 65536:
         return None
     return int(parts[2])
+
+
+def pace_of(value: bytes | None) -> Pace | None:
+    """The pace a heartbeat value carries, if any."""
+    parts = (value or b"").decode(errors="replace").split(":")
+    return Pace.from_text(parts[3]) if len(parts) == 4 else None

@@ -747,6 +747,12 @@ class FrameworkHooks:
         held, and its lock is let go. Only from the thread that opened it (the main one)."""
         self._loop._abandon_update(why)
 
+    @property
+    def updating(self) -> bool:
+        """An update ``begin_update`` opened is not complete yet: the step it belongs to
+        reaches its boundary (a batch of an accumulation but its last has none)."""
+        return self._loop._open_update is not None
+
     # -- what is saved, and what was restored
     def pause_hang_check(self, paused: bool) -> None:
         """Between a framework's steps (its evaluation, logging and checkpoints run there):

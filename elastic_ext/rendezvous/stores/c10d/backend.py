@@ -28,6 +28,7 @@ from torch.distributed import PrefixStore, Store, TCPStore
 from elastic_ext.rendezvous.errors import ConfigError, StoreUnavailableError
 from elastic_ext.rendezvous.protocol.clock import Clock
 from elastic_ext.rendezvous.protocol.liveness import LEFT
+from elastic_ext.rendezvous.protocol.pace import Pace
 from elastic_ext.rendezvous.protocol.state import RunState
 from elastic_ext.rendezvous.settings import Settings
 from elastic_ext.rendezvous.stores.c10d.feed import (
@@ -284,9 +285,10 @@ class C10dBackend(StoreBackend):
     def read_verdict(self) -> bytes | None:
         return self._run("read_verdict", lambda: read_key(self._store, "verdict"))
 
-    def beat(self, node: str, presence_port: int | None = None) -> None:
+    def beat(self, node: str, presence_port: int | None = None, pace: Pace | None = None
+             ) -> None:
         self._beats += 1
-        value = heartbeat_value(self._beats, presence_port)
+        value = heartbeat_value(self._beats, presence_port, pace)
         if node not in self._left:
             self._run("beat", lambda: self._store.set(f"hb/{node}", value))
 

@@ -22,6 +22,7 @@ from torch.distributed import Store
 from elastic_ext.rendezvous.errors import StoreUnavailableError
 from elastic_ext.rendezvous.protocol.clock import Clock
 from elastic_ext.rendezvous.protocol.liveness import LEFT
+from elastic_ext.rendezvous.protocol.pace import Pace
 from elastic_ext.rendezvous.settings import Settings
 from elastic_ext.rendezvous.stores.contract import KeeperRead, StoreBackend, Token
 from elastic_ext.rendezvous.stores.etcd.client import EtcdClient
@@ -264,14 +265,14 @@ class EtcdBackend(StoreBackend):
         kv = self._client.get(self._prefix + "verdict")
         return None if kv is None else kv.value
 
-    def keeper_read(self, node: str, presence_port: int | None,
-                    watched: Sequence[str], due: bool = True) -> KeeperRead:
+    def keeper_read(self, node: str, presence_port: int | None, watched: Sequence[str],
+                    due: bool = True, pace: Pace | None = None) -> KeeperRead:
         """One transaction: the beat and the watched heartbeats (one range over all when
         many are watched); the version and the verdict by watches. A tick not ``due`` (every
         keeper woken by a state write or a verdict) sends nothing, reusing the heartbeats
         last read. With ``heartbeat_mode=lease`` no request at most ticks (``_watched_read``)."""
         if self._leased:
-            return self._watched_read(node, presence_port, watched)
+            return self._watched_read(node, presence_port, watched, pace)
         last = self._beats_read
         if not due and last is not None and set(watched) <= last.keys():
             version, verdict = self._watched()
@@ -281,7 +282,7 @@ class EtcdBackend(StoreBackend):
             [op_range(hb + n) for n in watched]
 
         def beat_and_read() -> list[dict[str, Any]]:
-            self._lease.ensure(node, presence_port, put_beat=False)
+            self._lease.ensure(node, presence_port, put_beat=False, pace=pace)
             with self._lease.lock:
                 beat = self._lease.beat_ops()
             replies = self._client.txn([*beat, *reads])
@@ -307,11 +308,11 @@ class EtcdBackend(StoreBackend):
         return version, None if verdict is None else verdict.value
 
     def _watched_read(self, node: str, presence_port: int | None,
-                      watched: Sequence[str]) -> KeeperRead:
+                      watched: Sequence[str], pace: Pace | None) -> KeeperRead:
         """``heartbeat_mode=lease``: no request at most ticks (the lease renews itself): the
         state's version, the verdict and the heartbeats from watches (of the one key
-        watched, or of all of them when more are)."""
-        self._lease.retry(lambda: self._lease.ensure(node, presence_port, put_beat=True))
+        watched, or of all of them when more are); the value put anew when the pace moved."""
+        self._lease.retry(lambda: self._lease.ensure(node, presence_port, True, pace))
         timeout = self._settings.timeouts.connect
         one = len(watched) == 1
         beats: dict[str, bytes | None] = {}
@@ -325,9 +326,9 @@ class EtcdBackend(StoreBackend):
         version, verdict = self._watched()
         return KeeperRead(version, beats, verdict)
 
-    def beat(self, node: str, presence_port: int | None = None) -> None:
+    def beat(self, node: str, presence_port: int | None = None, pace: Pace | None = None) -> None:
         def put() -> None:
-            if self._lease.ensure(node, presence_port, put_beat=False) is None:
+            if self._lease.ensure(node, presence_port, put_beat=False, pace=pace) is None:
                 return
             with self._lease.lock:
                 beat = self._lease.beat_ops()

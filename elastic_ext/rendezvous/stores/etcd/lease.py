@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
 
 from elastic_ext.rendezvous.errors import StoreUnavailableError
+from elastic_ext.rendezvous.protocol.pace import Pace
 from elastic_ext.rendezvous.stores.contract import STATE_POLL_S
 from elastic_ext.rendezvous.stores.etcd.client import EtcdClient
 from elastic_ext.rendezvous.stores.etcd.wire import op_put
@@ -28,6 +29,10 @@ from elastic_ext.rendezvous.stores.wire import heartbeat_value
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+PACE_PUT_S = 5.0
+"""With ``heartbeat_mode=lease``, the least time between two puts of a heartbeat's value for
+a change of its pace (``protocol/pace.py``)."""
 
 EXPIRY_CHECK_S = 0.5
 """How often etcd's lessor looks for expired leases (``lease/lessor.go``, 3.4 and 3.5)."""
@@ -60,6 +65,8 @@ class AgentLease:
         self._beats = 0  # the counter of the heartbeat value (``heartbeat_value``)
         self._node: str | None = None  # whose heartbeat key hangs on it, once known
         self._port: int | None = None
+        self._pace: Pace | None = None  # this node's workers' pace, in the next value put
+        self._pace_put: tuple[Pace | None, float] = (None, -math.inf)  # the last put, when
         self._renewing = False
         self._stop = threading.Event()
         self.lock = threading.Lock()
@@ -69,14 +76,16 @@ class AgentLease:
         """A third of the TTL: two keep-alives may be lost or late before it expires."""
         return self.ttl / 3
 
-    def ensure(self, node: str, presence_port: int | None, *, put_beat: bool) -> int | None:
+    def ensure(self, node: str, presence_port: int | None, put_beat: bool,
+               pace: Pace | None = None) -> int | None:
         """The lease: granted when there is none or it expired (this agent was frozen or cut
-        off from etcd for a TTL), with ``node``'s heartbeat key put on it if ``put_beat``,
-        and renewed from then on. None once the agent left."""
+        off from etcd for a TTL), with ``node``'s heartbeat key put on it if ``put_beat``
+        (then put anew when ``pace`` moved: ``pace_put``), and renewed from then on. None
+        once the agent left."""
         with self.lock:
             if self._left:
                 return None
-            self._node, self._port = node, presence_port
+            self._node, self._port, self._pace = node, presence_port, pace
             if self.id is None:
                 self.id, granted = self._client.lease_grant(self.ttl)
                 if granted > self.ttl:
@@ -89,6 +98,8 @@ class AgentLease:
                     self.ttl = granted
                 if put_beat:
                     self._client.txn([self.beat_op()])
+            elif put_beat and (put := self.pace_put(pace)):
+                self._client.txn(put)
             if not self._renewing:
                 self._renewing = True
                 threading.Thread(target=self._renew, name="etcd-ext-lease", daemon=True).start()
@@ -98,8 +109,20 @@ class AgentLease:
         """A put of a new heartbeat value on the lease (under ``lock``, with a lease)."""
         assert self._node is not None and self.id is not None
         self._beats += 1
-        return op_put(self._hb_prefix + self._node, heartbeat_value(self._beats, self._port),
-                      lease=self.id)
+        self._pace_put = (self._pace, time.monotonic())
+        return op_put(self._hb_prefix + self._node,
+                      heartbeat_value(self._beats, self._port, self._pace), lease=self.id)
+
+    def pace_put(self, pace: Pace | None) -> list[dict[str, Any]]:
+        """With ``heartbeat_mode=lease`` (under ``lock``): a put of the heartbeat's value when
+        ``pace`` moved (``Pace.differs``) since the last put, at most one every
+        ``PACE_PUT_S``: every watcher of the heartbeats reads each put."""
+        last, at = self._pace_put
+        now = time.monotonic()
+        if self.id is None or self._node is None or now - at < PACE_PUT_S or \
+                (pace is None if last is None else not last.differs(pace)):
+            return []
+        return [self.beat_op()]
 
     def beat_ops(self) -> list[dict[str, Any]]:
         """``beat_op`` when there is a lease and a node (under ``lock``), else nothing."""
