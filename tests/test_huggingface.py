@@ -16,12 +16,15 @@ from types import SimpleNamespace
 
 import pytest
 
+from elastic_ext.worker.loop.data import position_after
 from tests.support.chaos import check_rank0_then_preempt, rank0_then_preempt, run_program
 from tests.support.readme_snippets import RUN_ID, readme_snippet, run_snippet
 
 pytestmark = pytest.mark.slow
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "huggingface_trainer.py"
+DATASET_SIZE = 4096  # the example's
+ACCUMULATE = 2
 
 
 @pytest.mark.timeout(560)
@@ -30,8 +33,16 @@ def test_a_trainer_run_loses_no_step_to_rank0s_machine_dying_or_a_preemption(
     """With gradient accumulation (2 batches a step): a fault inside an accumulation keeps
     the last whole optimizer step."""
     result = run_program(rank0_then_preempt(steps=100), "hf-rank0-preempt", EXAMPLE, tmp_path,
-                         extra=("--accumulate", "2"))
-    check_rank0_then_preempt(result, tmp_path)
+                         extra=("--accumulate", str(ACCUMULATE)))
+    events = check_rank0_then_preempt(result, tmp_path)
+    # The loop's exactly-once order across the world sizes 2, 1, 2: each step trained the
+    # batches an uninterrupted run gives it (the global batch stays 12: the example gives
+    # each rank 12 / world size)
+    steps = [e for e in events if e["event"] == "step"]
+    assert steps[-1]["step"] == 100, steps[-1]
+    for event in steps:
+        where = position_after(event["step"] * ACCUMULATE, 12, DATASET_SIZE)
+        assert (event["epoch"], event["offset"]) == (where.epoch, where.offset), event
 
 
 @pytest.mark.parametrize("sharding", [{"fsdp": "full_shard"}, {"deepspeed": "ds.json"}])

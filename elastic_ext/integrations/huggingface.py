@@ -6,19 +6,20 @@ optimizer's and scheduler's step, keep-on-fault, a durable snapshot every K step
 on a stop. A new round's state comes from the peers (or the newest snapshot) through
 the Trainer's own resume path: ``resume_from`` writes the restored step as a
 checkpoint directory in node memory, and ``Trainer.train(resume_from_checkpoint=...)``
-loads it (model, optimizer, scheduler, ``TrainerState``) and skips the batches it
-trained, as for any checkpoint::
+loads it (model, optimizer, scheduler, ``TrainerState``), as for any checkpoint::
 
     elastic = ElasticCallback(LoopSettings(snapshot_dir="snapshots", snapshot_every=50))
     args = TrainingArguments(...)                 # after the callback: it made the group
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[elastic])
     trainer.train(resume_from_checkpoint=elastic.resume_from(trainer))
 
-Not covered: the data order after a change of world size is the Trainer's (it skips
-``global_step`` batches of the new sharding, so an epoch's samples are not exactly once
-across sizes); gradient accumulation keeps whole optimizer steps (a fault inside an
-accumulation trains its batches again); DeepSpeed and FSDP models are sharded and are
-refused at the start (DDP only); RNG states travel only in durable snapshots.
+The data order is the loop's exactly-once order (``use_the_loops_order``: every sample
+of an epoch once across the ranks, at any world size and after any restore) for a
+dataset with a length and the default ``train_sampling_strategy``; otherwise the
+Trainer's, which skips ``global_step`` batches of the new sharding on resume. Gradient
+accumulation keeps whole optimizer steps (a fault inside an accumulation trains its
+batches again, once). Not covered: DeepSpeed and FSDP models are sharded and are refused
+at the start (DDP only); RNG states travel only in durable snapshots.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from transformers.trainer_callback import ExportableState
 
 from elastic_ext.integrations.resume import new_resume_dir, restore_for_framework
 from elastic_ext.worker.loop import ElasticLoop, LoopSettings
+from elastic_ext.worker.loop.sampler import StepSampler
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +91,56 @@ def _callback_states(trainer: Any) -> dict[str, Any]:
     return states
 
 
+def batches_of_this_step(trainer: Any) -> int:
+    """How many batches the Trainer fetched for the optimizer step it begins:
+    ``Trainer.current_gradient_accumulation_steps`` (transformers 5), the first of the two
+    internals used here; 1 when it is not there (no accumulation)."""
+    return max(1, int(getattr(trainer, "current_gradient_accumulation_steps", 1) or 1))
+
+
+def use_the_loops_order(trainer: Any, loop: ElasticLoop) -> StepSampler | None:
+    """Give ``trainer`` the loop's exactly-once data order: a ``DataLoader`` on this rank's
+    share of each global batch (``ElasticLoop.framework.batch_sampler``: every sample of an
+    epoch once across the ranks, at any world size and after any restore), not sharded
+    again by accelerate, and no skip on resume (it starts where the restored step left
+    the data). The global batch is ``per_device_train_batch_size`` x the world size. None,
+    and the Trainer's own order, for a dataset without a length or a sampling strategy
+    other than ``random`` (logged). The second internal used: the Trainer's
+    ``_remove_unused_columns`` / ``_get_collator_with_removed_columns``, as its own
+    ``_get_dataloader`` (transformers 5)."""
+    dataset, args = trainer.train_dataset, trainer.args
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) \
+            or not hasattr(dataset, "__len__") or strategy != "random":
+        logger.warning("the data order stays the Trainer's (a dataset without a length, or "
+                       "train_sampling_strategy=%r): samples are not exactly once across "
+                       "world sizes", strategy)
+        return None
+    seed = args.data_seed if args.data_seed is not None else args.seed
+    sampler = loop.framework.batch_sampler(
+        len(dataset), args.per_device_train_batch_size * loop.world_size, seed=seed)
+    remove = getattr(trainer, "_remove_unused_columns", None)
+    with_removed = getattr(trainer, "_get_collator_with_removed_columns", None)
+    if remove is None or with_removed is None:
+        raise RuntimeError("transformers has no Trainer._remove_unused_columns or "
+                           "_get_collator_with_removed_columns; elastic-ext's callback needs "
+                           "transformers 5 (pip install 'elastic-ext[transformers]')")
+
+    def train_dataloader() -> torch.utils.data.DataLoader[Any]:
+        data, collate = dataset, trainer.data_collator
+        if type(data).__module__.startswith("datasets."):
+            data = remove(data, description="Training")
+        else:
+            collate = with_removed(collate, description="Training")
+        return torch.utils.data.DataLoader(
+            data, batch_sampler=sampler, collate_fn=collate,
+            num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory)
+
+    trainer.get_train_dataloader = train_dataloader
+    trainer.get_resumed_dataloader = lambda dataloader, num_batches: dataloader
+    return sampler
+
+
 def refuse_sharding(args: TrainingArguments) -> None:
     """Raise before training when the Trainer shards the model (``fsdp``, ``deepspeed``):
     the callback would keep a shard as if it were the whole state."""
@@ -117,6 +169,7 @@ class ElasticCallback(TrainerCallback):
         self._trainer_state = _TrainerStateEntry()
         self._resume_dir: Path | None = None
         self._restored = False
+        self._sampler: StepSampler | None = None
 
     def resume_from(self, trainer: Any) -> str | None:
         """Load the newest step any rank holds (collective, on every rank) and write it as
@@ -136,6 +189,11 @@ class ElasticCallback(TrainerCallback):
         restored = restore_for_framework(self.loop, model, _KEPT,
                                          "elastic_ext.integrations.huggingface.ElasticCallback")
         self._restored = True
+        if restored is None or "data" in restored.state:
+            self._sampler = use_the_loops_order(trainer, self.loop)
+        else:
+            logger.warning("the restored step has no data position (taken before the callback "
+                           "gave the Trainer its order): the data order stays the Trainer's")
         if restored is None:
             return None
         directory = new_resume_dir()
@@ -174,6 +232,11 @@ class ElasticCallback(TrainerCallback):
     def on_step_begin(self, args: TrainingArguments, state: TrainerState,
                       control: TrainerControl, **kwargs: Any) -> None:
         self.loop.framework.pause_hang_check(False)  # the agent times the step from here
+        if self._sampler is not None:
+            # The Trainer fetched this step's batches (one per accumulated micro-batch)
+            # before it calls this: the step trains them all.
+            for _ in range(batches_of_this_step(self._trainer_state.trainer)):
+                self._sampler.started()
 
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState,
                               control: TrainerControl, **kwargs: Any) -> None:
