@@ -375,3 +375,40 @@ def test_a_worker_reports_the_first_step_of_each_round_once(agent: AgentControl)
     agent.publish_round(2)
     guard.agree()
     assert agent.progress_reported(2)
+
+
+def test_a_workers_rng_streams_continue_after_a_hand_off_and_a_new_slot_is_seeded(
+        tmp_path: Path) -> None:
+    """What the next worker of a slot draws is what the kept one would have drawn; a slot
+    with nothing kept (a new node, a dead one's rank) gets a stream of its own, the same
+    for the same step, rank and run."""
+    import random
+
+    import numpy as np
+
+    from elastic_ext.worker.snapshot.rng import continue_worker_rng, keep_worker_rng
+
+    torch.manual_seed(3)
+    random.seed(3)
+    np.random.seed(3)
+    torch.rand(5)  # the stream moved on from its seed
+    keep_worker_rng(tmp_path, 7, local_rank=0)
+    expected = (torch.rand(4), random.random(), float(np.random.rand()))
+    torch.manual_seed(0)  # the next worker's generators, as its script seeds them
+    random.seed(0)
+    np.random.seed(0)
+    assert continue_worker_rng(tmp_path, 7, 0, 2, "run")
+    assert torch.equal(torch.rand(4), expected[0]) and random.random() == expected[1]
+    assert float(np.random.rand()) == expected[2]
+
+    def seeded(step: int, local_rank: int, rank: int) -> torch.Tensor:
+        assert not continue_worker_rng(tmp_path, step, local_rank, rank, "run")
+        return torch.rand(4)
+
+    assert not torch.equal(seeded(7, 1, 2), seeded(7, 1, 3))  # a stream per rank
+    assert torch.equal(seeded(7, 1, 2), seeded(7, 1, 2))  # reproducible
+    assert not torch.equal(seeded(8, 0, 2), expected[0])  # kept with step 7, not 8
+    keep_worker_rng(tmp_path, 8, local_rank=0)  # the slot keeps one step
+    assert [p.name for p in tmp_path.glob("rng-*")] == ["rng-0000000008-local0.pt"]
+    (tmp_path / "rng-0000000008-local0.pt").write_bytes(b"damaged")
+    assert not continue_worker_rng(tmp_path, 8, 0, 2, "run")  # seeded instead, said so

@@ -19,7 +19,7 @@ dataset with a length and the default ``train_sampling_strategy``; otherwise the
 Trainer's, which skips ``global_step`` batches of the new sharding on resume. Gradient
 accumulation keeps whole optimizer steps (a fault inside an accumulation trains its
 batches again, once). Not covered: DeepSpeed and FSDP models are sharded and are refused
-at the start (DDP only); RNG states travel only in durable snapshots.
+at the start (DDP only).
 """
 
 from __future__ import annotations

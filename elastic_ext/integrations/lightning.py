@@ -29,8 +29,7 @@ may hold them either side of their step); sharded strategies and optimizers (FSD
 DeepSpeed, model parallelism, ZeroRedundancyOptimizer: refused at the start, DDP only);
 callbacks that swap the weights when checkpointing (weight averaging); hyperparameters
 are not kept (``fit`` does not read them) and what ``on_save_checkpoint`` adds must be
-plain data (tensors, numbers, strings, containers); RNG states travel only in durable
-snapshots.
+plain data (tensors, numbers, strings, containers).
 
 Lightning's SIGTERM handler broadcasts from inside the signal handler, a collective on
 one rank at a random point of the step, and its teardown puts back the handlers it

@@ -78,6 +78,7 @@ from elastic_ext.worker.snapshot import (
     Stateful,
 )
 from elastic_ext.worker.snapshot.hook import SnapshotInfo
+from elastic_ext.worker.snapshot.rng import continue_worker_rng, keep_worker_rng
 from elastic_ext.worker.snapshot.sharded import ShardedState
 
 logger = logging.getLogger(__name__)
@@ -209,6 +210,10 @@ def _old_name(old: str, new: str) -> property:
 setattr(LoopSettings, "__init__", _taking_old_names(LoopSettings.__init__))  # noqa: B010
 for _old, _new in _RENAMED.items():
     setattr(LoopSettings, _old, _old_name(_old, _new))
+
+
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def _under_launcher() -> bool:
@@ -382,6 +387,10 @@ class ElasticLoop:
             restored = self._restored = as_restored(self._sharded.restore(), started)
         else:
             restored = self._restored = self._snapshots.restore(self._objects)
+        if restored is not None and restored.source in (Source.LOCAL, Source.PEER):
+            # A disk snapshot brings every rank's RNG states; a hand-off, this slot's own
+            continue_worker_rng(control.local_state_dir(), restored.step, _local_rank(), self._rank,
+                                os.environ.get("TORCHELASTIC_RUN_ID", ""))
         seconds = time.perf_counter() - started
         self._times["restored_at"] = time.time()
         if restored is not None:
@@ -575,9 +584,18 @@ class ElasticLoop:
 
     def _keep_local(self) -> object | None:
         """Keep the completed step in node memory at a step boundary; None if not kept."""
+        self._keep_rng(self._step)
         if self._sharded is not None:
             return self._sharded.keep(self._step, self._rest())
         return self._snapshots.keep_local(self._step, self._state())
+
+    @staticmethod
+    def _keep_rng(step: int) -> None:
+        """This worker's RNG states beside the node's copy of ``step``, every worker's own
+        (``snapshot.rng.keep_worker_rng``): the next worker in this slot continues them."""
+        directory = control.local_state_dir()
+        if directory is not None:
+            keep_worker_rng(directory, step, _local_rank())
 
     def _fail(self, exc: BaseException) -> NoReturn:
         """A step raised ``exc``: a peer's fault under an etcd-ext agent keeps the held step
@@ -631,6 +649,8 @@ class ElasticLoop:
                 self._snapshots.write_kept)
         step = result[0] if result is not None else (self._held.step or self._step)
         kept = result is not None and result[1] is not None
+        if result is not None:
+            self._keep_rng(step)
         if kept:
             logger.info("kept the state of step %d in node memory (%s)", step, why)
         self._emit("fault", step, why=why, kept=step if kept else None)

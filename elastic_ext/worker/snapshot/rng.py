@@ -10,14 +10,24 @@ apart. A restore at the same world size gives each rank its own
 rank's generators are seeded from a hash of the step, its rank and rank 0's saved
 torch state, so the streams are distinct per rank and reproducible for the same run.
 Snapshots from before this format hold one state, restored on every rank.
+
+In the hand-off (a step kept in node memory, ``local.py``), each worker keeps its own
+generators beside the node's copy of the state, under its local rank
+(``keep_worker_rng``): the next worker in the same slot of that node continues the same
+streams, whatever global rank it gets (``continue_worker_rng``); a worker with no such
+file (a new node, or a slot whose node died) is seeded from the step, its rank and the
+run's id, as after a disk restore at another world size. The kept state itself carries
+no RNG: every rank that keeps a step must write the same bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import random
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -103,5 +113,42 @@ def restore_rank_rng(saved: Mapping[str, Any], step: int) -> None:
                     world_size())
 
 
-__all__ = ["RANKS_KEY", "capture_rng", "gather_rng", "reseed", "restore_rank_rng",
-           "restore_rng"]
+def _worker_file(directory: Path, step: int, local_rank: int) -> Path:
+    return directory / f"rng-{step:010d}-local{local_rank}.pt"
+
+
+def keep_worker_rng(directory: Path, step: int, local_rank: int) -> None:
+    """Keep this worker's generators beside the node's copy of ``step`` (a few KB; written
+    whole, then renamed), and drop the files of other steps this slot kept."""
+    path = _worker_file(directory, step, local_rank)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    try:
+        torch.save(capture_rng(), tmp)
+        os.replace(tmp, path)
+        for old in directory.glob(f"rng-*-local{local_rank}.pt"):
+            if old != path:
+                old.unlink(missing_ok=True)
+    except OSError as exc:  # the node's memory is full or gone: the restore reseeds
+        logger.warning("could not keep the RNG states with step %d: %s", step, exc)
+        tmp.unlink(missing_ok=True)
+
+
+def continue_worker_rng(directory: Path | None, step: int, local_rank: int, rank_: int,
+                        run_id: str) -> bool:
+    """After a hand-off restore of ``step``: continue the generators the worker of this
+    slot kept with that step (True), or seed them from the step, ``rank_`` and ``run_id``
+    (False)."""
+    path = _worker_file(directory, step, local_rank) if directory is not None else None
+    if path is not None and path.is_file():
+        try:
+            restore_rng(torch.load(path, weights_only=True))
+            return True
+        except Exception as exc:  # a damaged file: seeded instead, said so
+            logger.warning("the RNG states kept with step %d are unreadable (%s): seeding "
+                           "them from the step and the rank", step, exc)
+    reseed(step, rank_, torch.tensor(list(run_id.encode() or b"-"), dtype=torch.uint8))
+    return False
+
+
+__all__ = ["RANKS_KEY", "capture_rng", "continue_worker_rng", "gather_rng", "keep_worker_rng",
+           "reseed", "restore_rank_rng", "restore_rng"]
