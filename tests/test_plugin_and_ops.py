@@ -191,6 +191,12 @@ def test_status_shows_rounds_without_progress_and_nodes_left_out() -> None:
     assert "left out: c: not reachable from a, b" in text
     trained = ops.describe(replace(state, progress_round=5), {}, now=0.0, snapshot_step=None)
     assert "rounds in a row" not in ops.render(trained, "r", "etcd://x")
+    # a node that left on a notice, or a straggler left out (straggler=drop), and why
+    dropped = ops.describe(replace(state, leaving={"d": "a straggler (3.0x the others' own "
+                                                        "step time)"}), {}, now=0.0,
+                           snapshot_step=None)
+    assert dropped["left_the_job"] == {"d": "a straggler (3.0x the others' own step time)"}
+    assert "left the job: d: a straggler (3.0x" in ops.render(dropped, "r", "etcd://x")
 
 
 def paced_run() -> MemoryBackend:

@@ -108,6 +108,7 @@ def describe(state: RunState | None, beats: Mapping[str, bytes | None], now: flo
         "newest_snapshot_step": snapshot_step,
         "rounds_without_progress": stalled_rounds(state),
         "left_out": dict(state.excluded),
+        "left_the_job": dict(state.leaving),
         "slow_nodes": sorted(slow), "straggler_margin": rules.margin,
     }
 
@@ -147,6 +148,8 @@ def render(report: dict[str, Any], run_id: str, where: str) -> str:
                      f"{report['rounds_without_progress']}")
     for name, why in (report.get("left_out") or {}).items():
         lines.append(f"  left out: {name}: {why}")
+    for name, why in (report.get("left_the_job") or {}).items():
+        lines.append(f"  left the job: {name}: {why}")
     if report["newest_snapshot_step"] is not None:
         lines.append(f"  newest snapshot: step {report['newest_snapshot_step']}")
     lines.append("  rank  node                              address                heartbeat"
