@@ -83,7 +83,9 @@ class Node:
     def worker_pids(self) -> list[int]:
         """The processes of the agent's live workers: those torchrun gave a ``RANK``. With
         warm start that is each worker's launcher (the agent's child, which relays signals)
-        and the worker the warm-start server forked for it."""
+        only: the worker the warm-start server forked for it keeps the server's
+        ``/proc/PID/environ``, without ``RANK`` (its beacon names it: ``training_pid``,
+        ``chaos.inject.training_pids``)."""
         agent = self.proc.pid
         return [pid for pid in self.proc.pids()
                 if pid != agent and "RANK" in environ_of(pid) and _alive(pid)]
