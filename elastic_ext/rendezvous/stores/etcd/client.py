@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -150,8 +151,14 @@ class EtcdClient:
                 raise
 
         limit = deadline if deadline is not None else self._settings.timeouts.connect
+        began = time.monotonic()
+        try:  # the usual case, without building a retry loop: at 256 forked agents on etcd
+            # a round change cost each agent 20.9 ms of CPU with one per call, 17.9 without
+            return attempt()
+        except _Transient:
+            pass
         retrying = Retrying(
-            stop=stop_after_delay(limit),
+            stop=stop_after_delay(max(0.0, limit - (time.monotonic() - began))),
             wait=wait_exponential(multiplier=0.02, max=0.5),
             retry=retry_if_exception_type(_Transient), reraise=True)
         try:
