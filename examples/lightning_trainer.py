@@ -12,7 +12,8 @@ trained once::
         examples/lightning_trainer.py --steps 200 --snapshot-dir /tmp/pl
 
 It needs ``pip install 'elastic-ext[lightning]'``; it trains on the CPU with gloo, or on
-``cuda:LOCAL_RANK`` with NCCL when there is a GPU.
+``cuda:LOCAL_RANK`` with NCCL when there is a GPU. ``--shard fsdp2`` shards the layers
+(FSDP2 under ``ModelParallelStrategy``); the callback then hands off the shards.
 """
 
 from __future__ import annotations
@@ -50,6 +51,21 @@ class Regression(pl.LightningModule):
                                                          "interval": "step"}}
 
 
+class ShardedRegression(Regression):
+    """The same network with its layers sharded across the ranks by FSDP2, as
+    ``ModelParallelStrategy`` asks: in ``configure_model``, on its data-parallel mesh."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        assert self.device_mesh is not None, "ModelParallelStrategy sets the mesh"
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+
 class StepDelay(pl.Callback):
     """Seconds added to each step, for the chaos harness to find the job mid-training."""
 
@@ -74,7 +90,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model-size", choices=sorted(WIDTH), default="tiny")
     p.add_argument("--accumulate", type=int, default=1,
                    help="batches per optimizer step (Lightning's accumulate_grad_batches)")
+    p.add_argument("--shard", choices=("none", "fsdp2"), default="none",
+                   help="fsdp2: shard the layers across the ranks (ModelParallelStrategy)")
     return p.parse_args()
+
+
+def strategy(shard: str, world_size: int) -> Any:
+    """DDP, or FSDP2 over every rank of this round (its size changes from round to round)."""
+    if shard == "none":
+        return "ddp"
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
 
 
 def main() -> None:
@@ -83,12 +110,13 @@ def main() -> None:
         snapshot_dir=args.snapshot_dir, snapshot_every=args.snapshot_every,  # elastic-ext
         events_file=args.metrics, total_steps=args.steps))  # elastic-ext
     torch.manual_seed(0)  # the same initial weights on every rank
-    model = Regression(WIDTH[args.model_size])
+    model = (ShardedRegression if args.shard == "fsdp2" else Regression)(WIDTH[args.model_size])
     generator = torch.Generator().manual_seed(1)
     inputs = torch.randn(1200, 16, generator=generator)
     data = TensorDataset(inputs, inputs.sum(dim=1, keepdim=True))
     trainer = pl.Trainer(
-        accelerator="gpu" if elastic.loop.device.type == "cuda" else "cpu", strategy="ddp",
+        accelerator="gpu" if elastic.loop.device.type == "cuda" else "cpu",
+        strategy=strategy(args.shard, elastic.loop.world_size),
         devices=elastic.devices, num_nodes=elastic.num_nodes,  # elastic-ext
         use_distributed_sampler=False,  # elastic-ext: the batch sampler below
         max_steps=args.steps, accumulate_grad_batches=args.accumulate,

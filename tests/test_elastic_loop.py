@@ -21,10 +21,14 @@ JOB = Path(__file__).parent / "support" / "elastic_loop_job.py"
 ROOT = Path(__file__).parent.parent
 
 
-def run_job(directory: Path, **spec: Any) -> subprocess.CompletedProcess[str]:
+def run_job(directory: Path, run_id: str | None = None,
+            **spec: Any) -> subprocess.CompletedProcess[str]:
+    """``elastic_loop_job.py`` with ``spec``, as run ``run_id`` (torchrun's run id) if given."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ELASTIC_EXT_", "TORCHELASTIC_", "MASTER_", "RANK"))}
     env["PYTHONPATH"] = str(ROOT)
+    if run_id is not None:
+        env["TORCHELASTIC_RUN_ID"] = run_id
     return subprocess.run([sys.executable, str(JOB), json.dumps({"dir": str(directory), **spec})],
                           env=env, capture_output=True, text=True, timeout=120)
 
@@ -74,6 +78,27 @@ def test_another_dataset_is_refused_naming_both(tmp_path: Path) -> None:
     done = run_job(tmp_path, steps=4, dataset=12)
     assert done.returncode != 0
     assert "dataset size 10; this run has 1 and 12" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_snapshot_of_another_run_is_refused_unless_the_loop_resumes_other_runs(
+        tmp_path: Path) -> None:
+    """A second run pointed at the first one's directory does not train on from its weights
+    without a word; the same run id (a requeued job) and ``resume_other_runs`` go on."""
+    assert run_job(tmp_path, run_id="first", steps=2, dataset=10).returncode == 0
+    refused = run_job(tmp_path, run_id="second", steps=4, dataset=10)
+    assert refused.returncode != 0
+    assert "was written by run 'first', and this is run 'second'" in refused.stderr, \
+        refused.stderr[-2000:]
+    assert "snapshots/second" in refused.stderr and "resume_other_runs=True" in refused.stderr
+    assert steps_of(refused) == {}  # not one step trained on the other run's weights
+    same = run_job(tmp_path, run_id="first", steps=3, dataset=10)
+    assert same.returncode == 0, same.stderr[-2000:]
+    assert sorted(steps_of(same)) == [3]
+    other = run_job(tmp_path, run_id="second", steps=4, dataset=10, resume_other_runs=True)
+    assert other.returncode == 0, other.stderr[-2000:]
+    assert sorted(steps_of(other)) == [4]
+    # and from then on the snapshots are run 'second''s
+    assert run_job(tmp_path, run_id="second", steps=5, dataset=10).returncode == 0
 
 
 def test_an_error_that_is_not_a_peers_fault_ends_the_process_with_its_traceback(

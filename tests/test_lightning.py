@@ -54,6 +54,25 @@ def test_a_lightning_run_loses_no_step_to_rank0s_machine_dying_or_a_preemption(
         assert (event["epoch"], event["offset"]) == (where.epoch, where.offset), event
 
 
+@pytest.mark.timeout(560)
+def test_a_sharded_lightning_run_hands_off_its_shards_at_every_world_size(
+        tmp_path: Path) -> None:
+    """FSDP2 under ``ModelParallelStrategy`` (the example's ``--shard fsdp2``): the model is
+    built in ``fit``, so the callback restores at ``on_fit_start``. Rank 0's machine dies:
+    the survivor trains on alone from its own shards and the copy it held of rank 0's
+    (node memory, world 2 -> 1); the preempted job restarts on two machines from the DCP
+    snapshot, resharded (1 -> 2). 0 steps twice, every step on its exactly-once data."""
+    result = run_program(rank0_then_preempt(steps=60), "pl-sharded", EXAMPLE, tmp_path,
+                         extra=("--shard", "fsdp2"))
+    events = check_rank0_then_preempt(result, tmp_path)
+    steps = [e for e in events if e["event"] == "step"]
+    assert steps[-1]["step"] == 60, steps[-1]
+    for event in steps:
+        where = position_after(event["step"], 12, DATASET_SIZE)
+        assert (event["epoch"], event["offset"]) == (where.epoch, where.offset), event
+    assert any((tmp_path / "snapshots").glob("dcp-*")), "the durable snapshots are DCP's"
+
+
 @dataclass
 class FakeLoop:
     world_size: int
@@ -107,9 +126,8 @@ def test_a_lightning_without_the_internals_used_is_named_with_the_version_needed
         keep_signal_handlers(NotLightning26())  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("strategy", ["FSDPStrategy", "DeepSpeedStrategy",
-                                      "ModelParallelStrategy"])
-def test_a_sharded_strategy_is_refused_before_any_step_naming_what_to_use(
+@pytest.mark.parametrize("strategy", ["FSDPStrategy", "DeepSpeedStrategy"])
+def test_a_sharding_the_callback_cannot_keep_is_refused_before_any_step_naming_what_to_use(
         strategy: str) -> None:
     import lightning.pytorch.strategies as strategies
 
@@ -117,9 +135,30 @@ def test_a_sharded_strategy_is_refused_before_any_step_naming_what_to_use(
 
     cls = getattr(strategies, strategy)
     trainer = SimpleNamespace(strategy=cls.__new__(cls))
-    with pytest.raises(RuntimeError, match=rf"{strategy} shards the model.*strategy='ddp'.*"
-                                           r"loop\.mesh\(\)"):
+    with pytest.raises(RuntimeError, match=rf"{strategy} shards the model.*FSDP2 shards "
+                                           r"\(strategy=ModelParallelStrategy.*loop\.mesh\(\)"):
         refuse_sharding(trainer)  # type: ignore[arg-type]
+
+
+def test_model_parallelism_is_kept_when_the_module_shards_in_configure_model() -> None:
+    import lightning.pytorch as pl
+    import lightning.pytorch.strategies as strategies
+
+    from elastic_ext.integrations.lightning import builds_in_fit, refuse_sharding
+
+    class Plain(pl.LightningModule):
+        pass
+
+    class Sharded(pl.LightningModule):
+        def configure_model(self) -> None:
+            pass
+
+    assert builds_in_fit(Sharded()) and not builds_in_fit(Plain())
+    cls = strategies.ModelParallelStrategy
+    trainer = SimpleNamespace(strategy=cls.__new__(cls))
+    refuse_sharding(trainer, built_in_fit=True)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="this module has none: call fully_shard"):
+        refuse_sharding(trainer, built_in_fit=False)  # type: ignore[arg-type]
 
 
 def test_a_sharded_optimizer_is_refused_and_ddp_passes() -> None:

@@ -20,7 +20,7 @@ def test_the_fields_say_what_they_are() -> None:
     assert names == ["snapshot_dir", "snapshot_every", "keep_snapshots", "total_steps",
                      "device", "collective_backend", "collective_timeout_s", "stop_grace_s",
                      "preempt_grace_s", "hold_timeout_s", "events_file", "shard_copy_every",
-                     "shard_copy_in_background"]
+                     "shard_copy_in_background", "resume_other_runs"]
 
 
 @pytest.mark.parametrize(("field", "value"), [

@@ -292,3 +292,112 @@ def test_heartbeat_values_carry_the_port_and_old_values_still_parse() -> None:
     assert presence_port_of(old) is None and parse_beat(old) is not None
     for odd in (None, b"left", b"1:2:x", b"1:2:70000"):
         assert presence_port_of(odd) is None
+
+
+class Beating:
+    """The other agents' heartbeats, every 0.05 s, from a thread; ``still`` stop beating
+    (starved agents, or a store whose writes do not land)."""
+
+    def __init__(self, backend: MemoryBackend, ports: dict[str, int]) -> None:
+        self.still: set[str] = set()
+        self._backend, self._ports = backend, ports
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            for node, port in self._ports.items():
+                if node not in self.still:
+                    self._backend.beat(node, port)
+
+    def __enter__(self) -> Beating:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def watching_keeper(backend: MemoryBackend, ports: dict[str, int], tmp_path: Path) -> Keeper:
+    """A keeper that watches everyone (``me`` closes the round) with a 1 s timeout."""
+    members = {"me": NodeInfo("127.0.0.1", 1000)} | {
+        n: NodeInfo("127.0.0.1", 1001 + i, presence=port)
+        for i, (n, port) in enumerate(ports.items())}
+    backend.set_state(RunState(generation="g", round=1, phase=Phase.CLOSED, members=members,
+                               order=("me", *ports)).to_bytes())
+    keeper = Keeper(backend, "me", interval=0.1, timeout=1.0, limits=Limits(2, 11, 1.0, None),
+                    control=AgentControl(tmp_path / "ctl"),
+                    events=EventLog("run1", "me", "127.0.0.1", None))
+    keeper.watch_round(("g", 1))
+    return keeper
+
+
+def test_many_agents_still_at_once_on_machines_that_answer_are_not_declared_dead(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 43, the judge that knows it may be the slow one: six of ten agents stop beating
+    at once (starved), their machines up (presence ports open). Nobody is declared dead
+    in three timeouts, and the keeper says why once; an agent of those that dies (its port
+    closes) is gone at once all the same."""
+    listeners = {f"n{i}": PresenceListener() for i in range(10)}
+    ports = {n: listener.port for n, listener in listeners.items()}
+    store = MemoryStore()
+    keeper = watching_keeper(MemoryBackend(store), ports, tmp_path)
+    others = set(ports)
+    try:
+        with Beating(MemoryBackend(store), ports) as beating:
+            keeper.start()
+            assert wait_until(lambda: set(keeper.peer_silence()) == others, timeout=2.0)
+            beating.still = {f"n{i}" for i in range(6)}
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline:
+                assert keeper.dead_among(others) == frozenset()
+                time.sleep(0.05)  # watching for a wrong verdict, not waiting for one
+            assert "6 of the 10 nodes watched went still at once" in caplog.text
+            assert caplog.text.count("went still at once") == 1
+            listeners.pop("n0").close()
+            assert wait_until(lambda: keeper.dead_among(others) == {"n0"}, timeout=2.0), \
+                keeper.dead_among(others)
+    finally:
+        keeper.stop()
+        for listener in listeners.values():
+            listener.close()
+
+
+class SlowStore(MemoryBackend):
+    """A store whose reads take ``delay`` seconds (a starved etcd)."""
+
+    delay = 0.0
+
+    def keeper_read(self, *args: object, **kwargs: object) -> object:  # type: ignore[override]
+        time.sleep(self.delay)  # the fault injected
+        return super().keeper_read(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_store_too_slow_to_answer_in_half_the_timeout_kills_nobody_then_judging_resumes(
+        tmp_path: Path) -> None:
+    """The judge's reads take 0.8 s (more than half the 1 s timeout) while no beat lands
+    for 3 s: what it reads says nothing about the time since, so nobody is dead. Once the
+    store is quick again, a node that stays still is dead after the timeout."""
+    listeners = [PresenceListener() for _ in range(4)]  # a small job: no doubt by numbers
+    ports = {f"n{i}": listener.port for i, listener in enumerate(listeners)}
+    store = MemoryStore()
+    backend = SlowStore(store)
+    keeper = watching_keeper(backend, ports, tmp_path)
+    others = set(ports)
+    try:
+        with Beating(MemoryBackend(store), ports) as beating:
+            keeper.start()
+            assert wait_until(lambda: set(keeper.peer_silence()) == others, timeout=2.0)
+            backend.delay, beating.still = 0.8, set(others)
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline:
+                assert keeper.dead_among(others) == frozenset()
+                time.sleep(0.05)  # watching for a wrong verdict, not waiting for one
+            backend.delay, beating.still = 0.0, {"n3"}
+            assert wait_until(lambda: keeper.dead_among(others) == {"n3"}, timeout=3.0), \
+                keeper.dead_among(others)
+    finally:
+        keeper.stop()
+        for listener in listeners:
+            listener.close()

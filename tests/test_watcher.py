@@ -171,3 +171,58 @@ def test_whom_a_judging_keeper_judges_is_the_states_nodes_and_the_joiners_never_
     state = closed("me", "a")
     assert watcher.nodes(state, {"j"}) == {"a", "j"}
     assert watcher.nodes(None, {"j", "me"}) == {"j"}
+
+
+def many_still(watcher: Watcher, clock: Clock, others: list[str], still: set[str],
+               answering: Connections, left: Iterable[str] = ()) -> Judgement:
+    """Ticks over ``2 * TIMEOUT_S`` in which ``still`` stop beating (``left`` leave) and
+    the others beat; the last tick's judgement."""
+    state = closed("me", *others)
+    judgement = None
+    for step in range(int(2 * TIMEOUT_S) + 1):
+        beats: dict[str, bytes | None] = {
+            n: b"0" if n in still else LEFT if n in left and step else f"{step}".encode()
+            for n in others}
+        judgement = watcher.judge(judging(state, beats), Connections(), answering)
+        clock.now += 1.0
+    assert judgement is not None
+    return judgement
+
+
+def test_many_nodes_still_at_once_whose_machines_answer_are_spared_as_the_judges_doubt(
+        ) -> None:
+    """Issue 43: six of ten still at once, their presence connections open (their machines
+    are up): the likelier cause is a starved judge or store. Nobody is dead, and the doubt
+    says by how much; a node that left is dead all the same."""
+    watcher, clock = make()
+    others = [f"n{i}" for i in range(10)]
+    still = set(others[:6])
+    judgement = many_still(watcher, clock, others, still, Connections(gone=still),
+                           left=["n9"])
+    assert judgement.dead == {"n9"} and judgement.left == {"n9"}
+    assert judgement.doubt is not None
+    assert (judgement.doubt.stale, judgement.doubt.watched, judgement.doubt.spared) == (6, 10, 6)
+
+
+def test_many_nodes_still_at_once_whose_machines_do_not_answer_are_dead_on_time() -> None:
+    """A real mass failure (machines off the network: no connection held) is found as
+    before, and so is each still node whose connection is not open among spared ones."""
+    watcher, clock = make()
+    others = [f"n{i}" for i in range(10)]
+    still = set(others[:6])
+    assert many_still(watcher, clock, others, still, Connections()).dead == still
+    watcher, clock = make()
+    judgement = many_still(watcher, clock, others, still, Connections(gone={"n0", "n1", "n2",
+                                                                          "n3", "n4"}))
+    assert judgement.dead == {"n5"}
+    assert judgement.doubt is not None and judgement.doubt.spared == 5
+
+
+def test_half_still_or_a_small_job_is_judged_on_the_counters_alone() -> None:
+    """Five of ten (not more than half), or three of four (fewer than eight watched): as
+    likely dead as not; judged on time although their machines answer."""
+    for others, still in (([f"n{i}" for i in range(10)], {f"n{i}" for i in range(5)}),
+                          (["a", "b", "c", "d"], {"a", "b", "c"})):
+        watcher, clock = make()
+        judgement = many_still(watcher, clock, others, still, Connections(gone=still))
+        assert judgement.dead == still and judgement.doubt is None, others

@@ -180,7 +180,9 @@ class Trainer:
                 collective_timeout_s=s.collective_timeout, stop_grace_s=s.stop_grace,
                 preempt_grace_s=s.preempt_grace, hold_timeout_s=s.hold_timeout,
                 events_file=s.metrics, shard_copy_every=s.shard_copy_every,
-                shard_copy_in_background=s.shard_copy_background),
+                shard_copy_in_background=s.shard_copy_background,
+                # compatible: a job resubmitted under a new --rdzv-id goes on from its snapshots
+                resume_other_runs=True),
                 on_event=self._on_event, main_at=main_at)
         except ValueError as exc:
             raise SystemExit(f"trainer: {exc}") from None

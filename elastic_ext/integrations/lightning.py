@@ -25,11 +25,17 @@ accumulation a fault cut short are trained again, once); manual optimization is 
 through the same bracket as ``ElasticLoop.update``, one optimizer step per batch. Not
 covered: a ``training_step`` that takes ``dataloader_iter``, or a batch skipped by
 returning None or -1; plateau schedulers (they step after the boundary, so a keep there
-may hold them either side of their step); sharded strategies and optimizers (FSDP,
-DeepSpeed, model parallelism, ZeroRedundancyOptimizer: refused at the start, DDP only);
-callbacks that swap the weights when checkpointing (weight averaging); hyperparameters
+may hold them either side of their step); FSDP1, DeepSpeed and ZeroRedundancyOptimizer
+(refused at the start); callbacks that swap the weights when checkpointing (weight
+averaging); hyperparameters
 are not kept (``fit`` does not read them) and what ``on_save_checkpoint`` adds must be
 plain data (tensors, numbers, strings, containers).
+
+A module that builds or shards its layers in ``configure_model`` (FSDP2 under
+``ModelParallelStrategy``) exists whole only inside ``fit``: ``resume_from`` returns None
+for it and the restore happens at ``on_fit_start``, into the built model and its
+optimizers (the loop's sharded state: shards and their copies in node memory, resharded
+at the new world size; DCP snapshots on disk), with the Trainer's counters and schedulers.
 
 Lightning's SIGTERM handler broadcasts from inside the signal handler, a collective on
 one rank at a random point of the step, and its teardown puts back the handlers it
@@ -90,16 +96,25 @@ def keep_signal_handlers(trainer: pl.Trainer) -> None:
     connector.register_signal_handlers = lambda: None
 
 
-SHARDED_HINT = ("the callback keeps and hands off replicated (DDP) state only, not a sharded "
-                "model's yet: use strategy='ddp', or a loop of your own on "
-                "elastic_ext.ElasticLoop with loop.mesh() for FSDP2 and HSDP "
+SHARDED_HINT = ("the callback keeps and hands off replicated (DDP) state and FSDP2 shards "
+                "(strategy=ModelParallelStrategy(...), fully_shard in configure_model), not "
+                "FSDP1's flat parameters or DeepSpeed's partitions: use one of those, or a loop "
+                "of your own on elastic_ext.ElasticLoop with loop.mesh() "
                 "(docs/snapshot-hook.md#sharded-state-fsdp2-hsdp)")
 
 
-def refuse_sharding(trainer: pl.Trainer) -> None:
-    """Raise before training when ``trainer`` shards the model or the optimizer (FSDP,
-    DeepSpeed, model parallelism, ``ZeroRedundancyOptimizer``): the callback would keep a
-    shard as if it were the whole state."""
+def builds_in_fit(model: pl.LightningModule) -> bool:
+    """Whether ``model`` builds or shards its layers in ``configure_model`` (as
+    ``ModelParallelStrategy`` asks): what a restore loads into exists only once ``fit``
+    called it, so the callback restores at ``on_fit_start`` instead of through ``ckpt_path``."""
+    return type(model).configure_model is not pl.LightningModule.configure_model
+
+
+def refuse_sharding(trainer: pl.Trainer, *, built_in_fit: bool = True) -> None:
+    """Raise before training when ``trainer`` shards the model or the optimizer in a way
+    the callback cannot keep (FSDP1, DeepSpeed, ``ZeroRedundancyOptimizer``; model
+    parallelism whose module has no ``configure_model``): it would keep a shard as if it
+    were the whole state."""
     from lightning.pytorch.strategies import (
         DeepSpeedStrategy,
         FSDPStrategy,
@@ -108,9 +123,13 @@ def refuse_sharding(trainer: pl.Trainer) -> None:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     strategy = trainer.strategy
-    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)):
+    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)):
         raise RuntimeError(f"ElasticCallback: strategy {type(strategy).__name__} shards the "
                            f"model; {SHARDED_HINT}")
+    if isinstance(strategy, ModelParallelStrategy) and not built_in_fit:
+        raise RuntimeError("ElasticCallback: ModelParallelStrategy shards the model in the "
+                           "LightningModule's configure_model, and this module has none: "
+                           "call fully_shard on its layers there (self.device_mesh)")
     zero = [type(o).__name__ for o in getattr(strategy, "optimizers", ())
             if isinstance(o, ZeroRedundancyOptimizer)]
     if zero:
@@ -125,6 +144,29 @@ def loops_state(trainer: pl.Trainer) -> dict[str, Any]:
                           "test_loop": trainer.test_loop.state_dict()})
 
 
+def progress_of(trainer: pl.Trainer) -> dict[str, Any]:
+    """The Trainer's progress without its model and optimizers, taken on this rank alone
+    (no collective: a sharded optimizer's state would need one): the loops' counters and
+    the schedulers'."""
+    return {"epoch": trainer.current_epoch, "global_step": trainer.global_step,
+            "loops": loops_state(trainer),
+            "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]}
+
+
+def load_progress(trainer: pl.Trainer, progress: Mapping[str, Any]) -> None:
+    """Put back ``progress_of``'s counters before the fit loop starts (``on_fit_start``:
+    the loop's reset, which comes later, reads them as a restart)."""
+    trainer.fit_loop.load_state_dict(progress["loops"]["fit_loop"])
+    schedulers = progress.get("lr_schedulers", [])
+    if len(schedulers) != len(trainer.lr_scheduler_configs):
+        raise RuntimeError(f"the restored step has {len(schedulers)} learning-rate "
+                           f"scheduler(s), configure_optimizers made "
+                           f"{len(trainer.lr_scheduler_configs)}: the same configure_optimizers "
+                           "must run in every round")
+    for config, state in zip(trainer.lr_scheduler_configs, schedulers, strict=True):
+        config.scheduler.load_state_dict(state)
+
+
 class _LightningState:
     """The Trainer's checkpoint less the weights (kept as ``model``) as a snapshot entry.
 
@@ -136,6 +178,9 @@ class _LightningState:
     def __init__(self, loop: ElasticLoop) -> None:
         self.loop = loop
         self.trainer: pl.Trainer | None = None
+        self.progress_only = False
+        """The model and optimizers are kept as the loop's own objects (a model built in
+        ``fit``, sharded or not): keep the Trainer's progress alone (``progress_of``)."""
         self._boundaries: dict[int, dict[str, Any]] = {}
 
     def at_boundary(self, step: int, trainer: pl.Trainer) -> None:
@@ -145,7 +190,8 @@ class _LightningState:
 
     def state_dict(self) -> dict[str, Any]:
         assert self.trainer is not None, "tracked from on_train_start on"
-        checkpoint = dump_checkpoint(self.trainer)
+        checkpoint = progress_of(self.trainer) if self.progress_only \
+            else dump_checkpoint(self.trainer)
         for key in _NOT_KEPT:
             checkpoint.pop(key, None)
         step = self.loop.framework.held_step
@@ -179,6 +225,7 @@ class ElasticCallback(pl.Callback):
         self._sampler: StepSampler | None = None
         self._resume_dir: Path | None = None
         self._restored = False
+        self._in_fit = False  # restore at on_fit_start (a model built in configure_model)
 
     # -- what the Trainer is given
     @property
@@ -217,10 +264,18 @@ class ElasticCallback(pl.Callback):
         """Load the newest step any rank holds (collective, on every rank) and write it as
         a checkpoint for ``trainer.fit(..., ckpt_path=...)``; None for a fresh start.
 
+        A module with a ``configure_model`` (FSDP2 under ``ModelParallelStrategy``) is
+        built in ``fit``: this returns None, and the callback restores into the built
+        model and its optimizers at ``on_fit_start``, a sharded one from the peers' shards
+        at the new world size.
+
         Raises:
             SnapshotMismatchError: the newest state is of another model, or was not
                 taken by this callback.
         """
+        if builds_in_fit(model):
+            self._in_fit = self._state.progress_only = True
+            return None
         restored = restore_for_framework(self.loop, model, _KEPT,
                                          "elastic_ext.integrations.lightning.ElasticCallback")
         self._restored = True
@@ -240,13 +295,30 @@ class ElasticCallback(pl.Callback):
         point of the step) and its teardown would put back the guard's after ``finish``;
         the guard stops the job at the step boundary instead. A sharded strategy is
         refused here, before any step."""
-        refuse_sharding(trainer)
+        refuse_sharding(trainer, built_in_fit=self._in_fit)
         keep_signal_handlers(trainer)
         # Last in the list: later callbacks' on_train_batch_end would not run for a step the
         # job stops at. A new list, so the loop now calling ``setup`` goes on unchanged (an
         # attribute Lightning's callback connector sets on the instance).
         attributes = vars(trainer)
         attributes["callbacks"] = [c for c in attributes["callbacks"] if c is not self] + [self]
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """For a model built in ``fit``: the model is built (sharded, its parameters
+        DTensors) and its optimizers made, empty; restore into them here (collective),
+        then the Trainer's progress, which its fit loop reads as a restart."""
+        if not self._in_fit:
+            return
+        refuse_sharding(trainer, built_in_fit=True)  # the optimizers exist from here on
+        optimizers = {f"optimizer_{i}": o for i, o in enumerate(trainer.optimizers)}
+        restored = restore_for_framework(self.loop, pl_module, _KEPT,
+                                         "elastic_ext.integrations.lightning.ElasticCallback",
+                                         **optimizers)
+        self._restored = True
+        if restored is not None:
+            load_progress(trainer, restored.state["lightning"])
+            logger.info("resuming the Trainer at step %d from %s", restored.step,
+                        restored.origin)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.world_size != self.loop.world_size:
@@ -266,7 +338,7 @@ class ElasticCallback(pl.Callback):
             raise RuntimeError(
                 f"the Trainer starts at step {trainer.global_step} but elastic-ext restored "
                 f"step {self.loop.step}: resume only from ElasticCallback.resume_from(model)")
-        refuse_sharding(trainer)  # the optimizers exist from here on
+        refuse_sharding(trainer, built_in_fit=self._in_fit)  # the optimizers exist now
         self._state.trainer = trainer
         self._state.at_boundary(self.loop.step, trainer)
         self.loop.framework.track(lightning=self._state)
@@ -331,5 +403,6 @@ class ElasticCallback(pl.Callback):
             self._resume_dir = None
 
 
-__all__ = ["ElasticCallback", "LoopSettings", "dump_checkpoint", "keep_signal_handlers",
-           "loops_state", "refuse_sharding"]
+__all__ = ["ElasticCallback", "LoopSettings", "builds_in_fit", "dump_checkpoint",
+           "keep_signal_handlers", "load_progress", "loops_state", "progress_of",
+           "refuse_sharding"]

@@ -45,16 +45,17 @@ class Carried:
 
 
 def restore_for_framework(loop: ElasticLoop, model: Stateful, kept: Sequence[str],
-                          callback: str) -> Restored | None:
+                          callback: str, **also: Stateful) -> Restored | None:
     """An integration's collective restore: the newest step any rank holds, loaded into
-    ``model``, its framework's entries (``kept``) carried until the framework's objects
-    replace them; None for a fresh start (nothing, or a step 0 kept before training).
+    ``model`` (and ``also``: optimizers the framework made already), its framework's
+    entries (``kept``) carried until the framework's objects replace them; None for a
+    fresh start (nothing, or a step 0 kept before training).
 
     Raises:
         SnapshotMismatchError: the newest state is of another model, or was not taken by
             ``callback`` (an entry of ``kept`` is missing).
     """
-    loop.restore(model=model)
+    loop.restore({"model": model, **also})
     restored = loop.framework.restored
     if restored is None or restored.step == 0:
         return None

@@ -8,6 +8,7 @@ process with its traceback as usual. ``split_update`` updates between ``begin_up
 and ``end_update`` (as a framework's callbacks do, the first one twice as for an
 optimizer that calls its closure several times); ``fault_in_update_at`` has the guard
 keep the state between the two at that step, as a peer's fault there would, then exits.
+``resume_other_runs`` sets the loop's setting of that name.
 ``surface`` prints the public names of the loop and of its ``framework`` and exits.
 """
 
@@ -31,7 +32,8 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     directory = Path(spec["dir"])
     loop = ElasticLoop(LoopSettings(snapshot_dir=directory / "snapshots", snapshot_every=3,
-                                    events_file=directory / "metrics.jsonl"))
+                                    events_file=directory / "metrics.jsonl",
+                                    resume_other_runs=spec.get("resume_other_runs", False)))
     if spec.get("surface"):
         print(json.dumps({"loop": public(loop), "framework": public(loop.framework)}))
         loop.framework.close()

@@ -50,7 +50,7 @@ from elastic_ext.rendezvous.protocol.policy import Limits
 from elastic_ext.rendezvous.protocol.pressure import Action, Pressure, RoundPressure, TellLost
 from elastic_ext.rendezvous.protocol.state import RunState
 from elastic_ext.rendezvous.protocol.straggler import StragglerRules
-from elastic_ext.rendezvous.protocol.watcher import Judgement, Sighting, Watcher
+from elastic_ext.rendezvous.protocol.watcher import Doubt, Judgement, Sighting, Watcher
 from elastic_ext.rendezvous.settings import Settings
 from elastic_ext.rendezvous.stores.contract import StoreBackend
 
@@ -90,6 +90,7 @@ class Keeper:
         self._stragglers = StragglerWatch(backend, node, straggler or StragglerRules(),
                                           limits, events, clock)
         self.pace: Pace | None = None  # this node's workers' pace as the last tick read it
+        self._doubting: Doubt | None = None  # the doubt of a spell in progress
 
     @classmethod
     def for_settings(cls, backend: StoreBackend, node: str, settings: Settings, *,
@@ -298,11 +299,27 @@ class Keeper:
             self._peers = frozenset(peers) - {self._node}
             self._book.learn_infos(infos)
         judgement = self._watcher.judge(
-            seen, lambda nodes: self._held.gone_among(self._book.targets(nodes)))
+            seen, lambda nodes: self._held.gone_among(self._book.targets(nodes)),
+            lambda nodes: self._held.answering(self._book.targets(nodes)))
+        self._tell_doubt(judgement.doubt)
         for death in judgement.to_report:
             self._events.emit(EventKind.NODE_LEFT if death.left else EventKind.NODE_DEAD,
                               death.message, peer=death.node)
         return judgement
+
+    def _tell_doubt(self, doubt: Doubt | None) -> None:
+        """Log once when a spell of doubt begins (``watcher.Doubt``) and once when it ends."""
+        if (doubt is None) == (self._doubting is None):
+            return
+        if doubt is not None:
+            logger.warning(
+                "etcd-ext: %d of the %d nodes watched went still at once and %d of them "
+                "answer on their presence port: this judge or the store is likely the slow "
+                "one; waiting instead of declaring them dead", doubt.stale, doubt.watched,
+                doubt.spared)
+        else:
+            logger.warning("etcd-ext: judging again: most watched nodes beat")
+        self._doubting = doubt
 
     def _weigh(self, seen: Sighting, dead: frozenset[str], watched: tuple[str, int] | None
                ) -> bool:

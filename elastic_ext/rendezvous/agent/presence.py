@@ -122,6 +122,7 @@ class PresenceWatch:
         self._selector = selectors.DefaultSelector()
         self._conns: dict[tuple[str, int], socket.socket] = {}
         self._gone: set[tuple[str, int]] = set()
+        self._up: set[tuple[str, int]] = set()  # connections made (not pending)
         self._made_at: dict[tuple[str, int], float] = {}
         self._strikes: dict[tuple[str, int], int] = {}  # short-lived connections in a row
         self._fd_room = _fd_room()
@@ -147,6 +148,12 @@ class PresenceWatch:
         self._gone &= wanted
         return frozenset(node for node, key in targets.items() if key in self._gone)
 
+    def answering(self, targets: Mapping[str, tuple[str, int]]) -> frozenset[str]:
+        """Of ``targets``, those whose connection is held open now: their machine's kernel
+        answered, so the machine is up, whatever its agent's pace. A connection still
+        being made (a silent machine) or never tried does not count."""
+        return frozenset(node for node, key in targets.items() if key in self._up)
+
     def _connect(self, key: tuple[str, int]) -> None:
         try:
             family, kind, proto, _, addr = socket.getaddrinfo(*key, type=socket.SOCK_STREAM)[0]
@@ -164,6 +171,8 @@ class PresenceWatch:
             return
         self._conns[key] = sock
         self._made_at[key] = time.monotonic()
+        if code == 0:
+            self._up.add(key)
         self._selector.register(sock, selectors.EVENT_WRITE if code else selectors.EVENT_READ,
                                 key)
 
@@ -173,6 +182,7 @@ class PresenceWatch:
             code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if code == 0:
                 self._selector.modify(sock, selectors.EVENT_READ, key)
+                self._up.add(key)
                 return
             self._drop(key)
             if code == errno.ECONNREFUSED:
@@ -203,6 +213,7 @@ class PresenceWatch:
 
     def _drop(self, key: tuple[str, int]) -> None:
         self._made_at.pop(key, None)
+        self._up.discard(key)
         sock = self._conns.pop(key)
         self._selector.unregister(sock)
         sock.close()

@@ -5,7 +5,9 @@ observation. Time we could not observe (a failed read, e.g. etcd down or this
 process frozen) does not count against anyone: after such a gap every timer
 restarts, so an etcd outage or a leader election never kills a healthy job. Nor
 does a late observer judge: when our last read is older than half the timeout (a
-keeper delayed by a loaded machine or a long pause), nobody is dead until we read again.
+keeper delayed by a loaded machine or a long pause, or a read that took that long: a
+starved store), nobody is dead until we read again. The judge may be the slow one, and a
+false death adds load (a new round) to a system already short of it.
 
 Where the store expires heartbeat keys itself (etcd's leases: ``expiring``), the judgement
 is the store's: a key present is a live node, whatever its value; a key that vanished
@@ -122,6 +124,12 @@ class Liveness:
             # read last says nothing about the time since, so nobody is judged on it.
             return False
         return now - seen.changed_at >= self._timeout
+
+    def certain(self, node: str) -> bool:
+        """Whether ``node`` is dead on its own word or the store's (it left; its lease ran
+        out), not on a still counter that our own slowness could explain."""
+        seen = self._seen.get(node)
+        return seen is not None and (seen.value == LEFT or seen.expired)
 
     def moved(self, node: str) -> bool:
         """Whether ``node``'s heartbeat changed since we started watching it."""

@@ -6,7 +6,16 @@ One keeper judges everyone (the watcher: ``joins.closer_of``) and publishes its
 liveness costs the store O(N) reads per interval for the job, not O(N) per agent. The
 keeper's thread reads the store and hands what it read here (``Sighting``); what comes
 back (``Judgement``) it turns into events and one verdict write. The probes of the presence
-connections are injected (``gone_among``), as the clock is into ``Liveness``.
+connections are injected (``gone_among``, ``answering``), as the clock is into ``Liveness``.
+
+A judge that may be the slow one waits. When many of the nodes it watches go still at
+once (more than half of at least ``MANY_WATCHED``), the likelier cause is its own
+starvation or the store's, not that many machines died in the same second: it spares
+those whose presence connection it holds open (their machine's kernel answers, so the
+machine is up) until they beat or their connection ends. A machine that fell off the
+network holds no connection and is judged as before; an agent that died closes its
+connection and is gone at once. What this costs: more than half of a large job's agents
+frozen at once (their machines up) are found only when they are stopped or killed.
 """
 
 from __future__ import annotations
@@ -21,6 +30,27 @@ from elastic_ext.rendezvous.protocol.state import Phase, RunState
 
 GoneAmong = Callable[[Iterable[str]], frozenset[str]]
 """Of the nodes given, those whose presence connection ended (``presence.PresenceWatch``)."""
+
+Answering = Callable[[Iterable[str]], frozenset[str]]
+"""Of the nodes given, those whose presence connection is held open (``PresenceWatch``)."""
+
+MANY_WATCHED = 8
+"""The fewest watched nodes for which "more than half still at once" reads as the judge's
+(or the store's) slowness: in a smaller job half is one or two nodes, as likely dead."""
+
+
+def nobody_answers(nodes: Iterable[str]) -> frozenset[str]:
+    return frozenset()
+
+
+@dataclass(frozen=True)
+class Doubt:
+    """A tick that judged nobody on a still counter: ``stale`` of the ``watched`` nodes were
+    still at once, and ``spared`` of those hold their presence connection open."""
+
+    stale: int
+    watched: int
+    spared: int
 
 
 def watcher_verdict(by: str, state: RunState, dead: frozenset[str], left: frozenset[str]
@@ -76,6 +106,7 @@ class Judgement:
     left: frozenset[str]
     to_report: tuple[Death, ...] = ()
     publish: Verdict | None = None
+    doubt: Doubt | None = None
 
 
 class Watcher:
@@ -90,6 +121,7 @@ class Watcher:
         self._inherited: set[str] = set()  # dead by the last verdict we trusted
         self._inherited_left: set[str] = set()
         self._published: Verdict | None = None
+        self._doubt: Doubt | None = None
 
     def nodes(self, state: RunState | None, also: set[str]) -> frozenset[str]:
         """Whom a keeper that judges everyone judges: the nodes ``state`` names and
@@ -99,13 +131,16 @@ class Watcher:
             self._nodes = ((state, also), frozenset((known | also) - {self._me}))
         return self._nodes[1]
 
-    def judge(self, seen: Sighting, gone_among: GoneAmong) -> Judgement:
+    def judge(self, seen: Sighting, gone_among: GoneAmong,
+              answering: Answering = nobody_answers) -> Judgement:
         """(dead, left) among whom ``seen`` names, what to report of it and the verdict to
-        publish. Only the watcher publishes, and only a judgement of everyone: a tick that
-        read the state that made us the watcher read one heartbeat, not all."""
+        publish, and the doubt that spared nodes, if any. Only the watcher publishes, and
+        only a judgement of everyone: a tick that read the state that made us the watcher
+        read one heartbeat, not all."""
         self.liveness.forget(seen.beats)  # judge only whom we watch now
         self.liveness.observe(seen.beats)
-        dead, left = self._dead_and_left(seen, gone_among)
+        self._doubt = None
+        dead, left = self._dead_and_left(seen, gone_among, answering)
         self.dead = dead
         to_report = tuple(_death(node, node in left, seen)
                           for node in sorted(dead - self._reported))
@@ -114,20 +149,20 @@ class Watcher:
         verdict = watcher_verdict(self._me, state, dead, left) \
             if seen.judging and state is not None and closer_of(state) == self._me else None
         publish = verdict if verdict is not None and verdict != self._published else None
-        return Judgement(dead, left, to_report, publish)
+        return Judgement(dead, left, to_report, publish, self._doubt)
 
     def published(self, verdict: Verdict) -> None:
         """``verdict`` was written: the next write is for a change of it."""
         self._published = verdict
 
-    def _dead_and_left(self, seen: Sighting, gone_among: GoneAmong
+    def _dead_and_left(self, seen: Sighting, gone_among: GoneAmong, answering: Answering
                        ) -> tuple[frozenset[str], frozenset[str]]:
         """Our own judgement when we watch everyone, else the watcher's published verdict
         and our judgement of the watcher. A node that becomes the watcher keeps the last
         verdict's dead until they beat."""
         beats, verdict, head = seen.beats, seen.verdict, seen.head
-        own = self.liveness.dead_among(beats) | gone_among(
-            held_nodes(self._me, seen.watcher, beats))
+        own = self._unless_doubtful(self.liveness.dead_among(beats), beats, answering) \
+            | gone_among(held_nodes(self._me, seen.watcher, beats))
         left = {n for n in own if beats.get(n) == LEFT}
         if seen.judging:
             inherited = {n for n in self._inherited & seen.nodes
@@ -139,6 +174,20 @@ class Watcher:
             self._inherited, self._inherited_left = set(verdict.dead), set(verdict.left)
             return frozenset(own | verdict.dead), frozenset(left | verdict.left)
         return frozenset(own), frozenset(left)
+
+
+    def _unless_doubtful(self, dead: frozenset[str], watched: Mapping[str, object],
+                         answering: Answering) -> frozenset[str]:
+        """``dead`` less the nodes spared because many went still at once (the module's
+        docstring): only those judged on a still counter, and only those whose machine
+        answers."""
+        still = frozenset(n for n in dead if not self.liveness.certain(n))
+        if len(watched) < MANY_WATCHED or 2 * len(still) <= len(watched):
+            return dead
+        spared = answering(still) & still
+        if spared:
+            self._doubt = Doubt(len(still), len(watched), len(spared))
+        return dead - spared
 
 
 def _death(node: str, left: bool, seen: Sighting) -> Death:

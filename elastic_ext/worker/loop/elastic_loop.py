@@ -73,6 +73,7 @@ from elastic_ext.worker.snapshot import (
     HeldStep,
     Restored,
     SnapshotError,
+    SnapshotMismatchError,
     Snapshotter,
     Source,
     Stateful,
@@ -89,6 +90,9 @@ EventHook = Callable[[str, int, Mapping[str, Any]], None]
 
 _RENAMED = {"metrics": "events_file", "backend": "collective_backend", "keep": "keep_snapshots"}
 """LoopSettings' old keyword names and their new ones."""
+
+RUN_KEY = "__run__"
+"""The entry of a snapshot that names the run id (``TORCHELASTIC_RUN_ID``) it was trained in."""
 
 _TIMEOUTS = ("collective_timeout_s", "stop_grace_s", "preempt_grace_s", "hold_timeout_s")
 
@@ -143,6 +147,12 @@ class LoopSettings:
     shards into host memory (and waits for the previous copy), but a node that dies while
     its last copy is in flight costs that step, trained again. False: the step counts
     only once its copy arrived (0 steps trained again)."""
+    resume_other_runs: bool = False
+    """Continue from a snapshot written under another run id (torchrun's ``--rdzv-id``).
+    False: ``restore`` refuses it, so a second run pointed at the same ``snapshot_dir``
+    does not silently train on from the first one's weights; True for a job resubmitted
+    under a new id that should go on from its predecessor (the bundled trainer does)."""
+
     def __post_init__(self) -> None:
         """Take a path given as text; check the timeouts against each other, and the counts."""
         for name in ("snapshot_dir", "events_file"):
@@ -214,6 +224,31 @@ for _old, _new in _RENAMED.items():
 
 def _local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _run_id() -> str:
+    """torchrun's run id (``--rdzv-id``); empty outside a launcher."""
+    return os.environ.get("TORCHELASTIC_RUN_ID", "")
+
+
+def refuse_other_run(restored: Restored | None, *, allowed: bool) -> None:
+    """Raise unless ``restored`` was trained in this run, was written before snapshots
+    named their run, or ``allowed``.
+
+    Raises:
+        SnapshotMismatchError: the snapshot names another run id (the message names the
+            two ids and both fixes).
+    """
+    if restored is None or allowed:
+        return
+    theirs, ours = restored.state.get(RUN_KEY), _run_id()
+    if not isinstance(theirs, str) or not theirs or not ours or theirs == ours:
+        return
+    raise SnapshotMismatchError(
+        f"{restored.origin} (step {restored.step}) was written by run {theirs!r}, and this "
+        f"is run {ours!r}: give this run a snapshot directory of its own (for example "
+        f"snapshots/{ours}), or LoopSettings(resume_other_runs=True) to go on from run "
+        f"{theirs!r}'s step")
 
 
 def _under_launcher() -> bool:
@@ -374,7 +409,8 @@ class ElasticLoop:
         to continue from (0: a fresh start). Logs ``start`` and ``restore``.
 
         Raises:
-            SnapshotMismatchError: the newest snapshot is of another model.
+            SnapshotMismatchError: the newest snapshot is of another model, or of another
+                run id (``LoopSettings.resume_other_runs``).
         """
         self._objects = {**(objects or {}), **named}
         started = time.perf_counter()
@@ -387,10 +423,11 @@ class ElasticLoop:
             restored = self._restored = as_restored(self._sharded.restore(), started)
         else:
             restored = self._restored = self._snapshots.restore(self._objects)
+        refuse_other_run(restored, allowed=st.resume_other_runs)
         if restored is not None and restored.source in (Source.LOCAL, Source.PEER):
             # A disk snapshot brings every rank's RNG states; a hand-off, this slot's own
             continue_worker_rng(control.local_state_dir(), restored.step, _local_rank(), self._rank,
-                                os.environ.get("TORCHELASTIC_RUN_ID", ""))
+                                _run_id())
         seconds = time.perf_counter() - started
         self._times["restored_at"] = time.time()
         if restored is not None:
@@ -510,6 +547,8 @@ class ElasticLoop:
 
     def _track(self, **named: Stateful) -> None:
         self._objects.update(named)
+        if self._sharded is not None:
+            self._sharded.others.update(named)
 
     def _restored_age_s(self) -> float | None:
         restored = self._restored
@@ -570,17 +609,19 @@ class ElasticLoop:
             stack.__exit__(RuntimeError, RuntimeError(why), None)
 
     def _state(self, position: DataPosition | None = None) -> dict[str, Any]:
-        """What a snapshot holds: the named objects and where the data stands."""
-        at = position if position is not None else self._position
-        state: dict[str, Any] = dict(self._objects)
-        if at is not None:
-            state["data"] = {**at.to_state(), **self._data_settings}
-        return state
+        """What a snapshot holds: the named objects, where the data stands, the run."""
+        return {**self._objects, **self._rest(position)}
 
     def _rest(self, position: DataPosition | None = None) -> dict[str, Any]:
-        """What a sharded state carries beside the model and optimizers: the data."""
+        """What a snapshot carries beside the named objects: where the data stands, and
+        the run it was trained in."""
         at = position if position is not None else self._position
-        return {} if at is None else {"data": {**at.to_state(), **self._data_settings}}
+        rest: dict[str, Any] = {}
+        if at is not None:
+            rest["data"] = {**at.to_state(), **self._data_settings}
+        if _run_id():
+            rest[RUN_KEY] = _run_id()
+        return rest
 
     def _keep_local(self) -> object | None:
         """Keep the completed step in node memory at a step boundary; None if not kept."""

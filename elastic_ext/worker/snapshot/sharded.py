@@ -470,7 +470,10 @@ class ShardedState:
         for name, obj in self.others.items():
             if name in packed["others"]:
                 obj.load_state_dict(packed["others"][name])
-        return dict(packed["rest"])
+        # The entries of objects not named yet (a framework's, tracked later) come back as
+        # a replicated restore leaves them: for the framework to load itself.
+        unclaimed = {n: v for n, v in packed["others"].items() if n not in self.others}
+        return {**unclaimed, **packed["rest"]}
 
     def _drop_kept_before(self, step: int) -> None:
         assert self.local_dir is not None
