@@ -116,14 +116,15 @@ def breakdown(fault_at: float, survivors: list[Node], metrics: Path,
 
 
 def one_run(mode: str, scenario: str, workdir: Path, timeout: float,
-            step_delay: float, program: str = "trainer") -> Outcome:
+            step_delay: float, program: str = "trainer",
+            program_args: tuple[str, ...] = ()) -> Outcome:
     metrics = workdir / "metrics.jsonl"
     command = [*(["-m", "elastic_ext.warm", program] if program.endswith(".py")
                  else ["-m", program]),
                "--steps", "100000", "--global-batch-size", "24",
                "--snapshot-dir", str(workdir / "snapshots"), "--snapshot-every", "20",
                "--metrics", str(metrics), "--step-delay", str(step_delay), "--seed", "1",
-               *(["--progress-every", "0"] if program == "trainer" else [])]
+               *(["--progress-every", "0"] if program == "trainer" else []), *program_args]
     spec = JobSpec(command=command, store="stock-c10d" if mode == "stock" else "etcd",
                    nnodes="2:3", run_id=f"bench-{scenario}", max_restarts=100,
                    rdzv_conf="warm_start=off" if mode == "cold" else "")
@@ -212,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--program", default="trainer",
                         help="the training module, or a script such as examples/own_loop.py "
                              "(default: the bundled trainer)")
+    parser.add_argument("--program-args", default="",
+                        help="more flags for the program, one string (e.g. '--shard fsdp2')")
     args = parser.parse_args(argv)
     modes, scenarios = args.modes.split(","), args.scenarios.split(",")
     results: dict[tuple[str, str], list[Outcome]] = {}
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     workdir = Path(tmp) / f"{mode}-{scenario}-{rep}"
                     outcome = one_run(mode, scenario, workdir, args.timeout, args.step_delay,
-                                      args.program)
+                                      args.program, tuple(args.program_args.split()))
                     results.setdefault((mode, scenario), []).append(outcome)
                     shown = "never" if outcome.total is None else f"{outcome.total:.2f}s"
                     print(f"  rep {rep + 1}: {mode:<5} {scenario:<10} {shown}", file=sys.stderr,
@@ -231,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     label = {"stock": "stock c10d", "cold": "etcd-ext, cold start", "warm": "etcd-ext, warm start"}
     print(f"\nRecovery: seconds from the fault to the first step in the new world "
           f"(timeout {args.timeout:g}s)\n")
-    print(f"Training program: {args.program}\n")
+    print(f"Training program: {args.program} {args.program_args}\n")
     print("| scenario | mode | runs | median | min | max | never recovered | training paused "
           "(median) | steps trained twice (all runs) |")
     print("|---|---|---|---|---|---|---|---|---|")

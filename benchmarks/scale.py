@@ -34,6 +34,9 @@ Measured, per case (one backend, one N, one repetition):
              probe their peers as after a round without progress). Stock c10d gives survivors no
              such signal (under torchrun their workers would fail), so they are told to
              call ``next_rendezvous()`` at the kill: this favours stock.
+  false deaths  etcd-ext: the distinct agents some agent declared dead (its ``node_dead``
+             event) that were alive: any before the kill, any but the victims after it.
+             A live agent declared dead is a false death the job pays for with a round
   requests   etcd only: requests etcd received (``grpc_server_msg_received_total`` from its
              ``/metrics``, all methods: unary calls and stream messages such as watch
              creations and lease keep-alives) from the barrier to round 1 seen complete,
@@ -68,6 +71,7 @@ import logging
 import math
 import os
 import queue
+import re
 import shutil
 import signal
 import statistics
@@ -158,6 +162,20 @@ def _worker(spec: dict[str, Any]) -> int:
     from elastic_ext.rendezvous.agent.handler import EtcdExtRendezvousHandler
     from elastic_ext.rendezvous.stores.open import open_backend
 
+    class Verdicts(logging.Handler):
+        """The etcd-ext agents' death verdicts (their ``node_dead`` events), as events."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            found = DEATH_RE.search(record.getMessage())
+            if found:
+                emit_event("dead", peer=found.group(1))
+
+    emit_event = emit
+    events_logger = logging.getLogger("elastic_ext.rendezvous.agent.events")
+    events_logger.setLevel(logging.INFO)  # the verdicts, whatever the log level
+    events_logger.addHandler(Verdicts())
+    events_logger.propagate = logging.getLogger().getEffectiveLevel() <= logging.INFO
+
     backend: str = spec["backend"]
     warm = {"etcd": "elastic_ext.rendezvous.stores.etcd.backend",
             "embedded": "elastic_ext.rendezvous.stores.c10d.backend",
@@ -206,7 +224,8 @@ def _worker(spec: dict[str, Any]) -> int:
         try:
             handler = build(index)
             handlers.append(handler)
-            emit("connected", agent=index)
+            node = handler.node_id if isinstance(handler, EtcdExtRendezvousHandler) else None
+            emit("connected", agent=index, node=node)
             rendezvous(handler, index)
             if backend == "stock":
                 rejoin.wait()
@@ -405,6 +424,7 @@ class CaseResult:
     cpu_change_per_agent: Outcome = field(default_factory=Outcome)  # round 2, ms per survivor
     cpu_etcd: Outcome = field(default_factory=Outcome)
     false_restarts: int = 0
+    false_deaths: int | None = None  # live agents declared dead (etcd-ext; distinct nodes)
     notes: list[str] = field(default_factory=list)
 
 
@@ -416,8 +436,13 @@ class CaseFailure(Exception):
         self.short = short  # for the table
 
 
+DEATH_RE = re.compile(r"node (\S+) declared dead")
+"""An etcd-ext agent's death verdict, as its ``node_dead`` event logs it."""
+
+
 @dataclass
 class Agent:
+    node: str | None = None  # its etcd-ext node id
     connected: float | None = None
     ranks: list[tuple[float, int, int]] = field(default_factory=list)  # (t, rank, world)
     rejoins: list[float] = field(default_factory=list)
@@ -448,6 +473,8 @@ class Case:
         self.workers: list[Worker] = []
         self.agents = [Agent() for _ in range(n)]
         self.events: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
+        self.verdicts: list[tuple[float, str]] = []  # (t, node declared dead), by anyone
+        self.t_kill: float | None = None
         self.torch_version = ""
         self.readers: list[threading.Thread] = []
 
@@ -462,7 +489,19 @@ class Case:
             self._run(result)
         finally:
             self.cleanup()
+        if self.backend != "stock":
+            result.false_deaths = self._false_deaths()
         return result
+
+    def _false_deaths(self) -> int:
+        """Distinct agents declared dead that were alive: any before the kill, and after
+        it any but the victims."""
+        victims = {self.agents[i].node for w in self.workers[-self.args.kill:] for i in w.agents}
+        t_kill = self.t_kill if self.t_kill is not None else math.inf
+        wrong = {peer for t, peer in self.verdicts if t < t_kill or peer not in victims}
+        if wrong:
+            self.say(f"{len(wrong)} live agent(s) declared dead")
+        return len(wrong)
 
     # -- setting up --------------------------------------------------------------------------
     def _start_workers(self) -> int:
@@ -555,6 +594,9 @@ class Case:
                                       f"failed: worker exited ({code})")
                 continue
             kind, agent = event["kind"], event.get("agent")
+            if kind == "dead":
+                self.verdicts.append((float(event["t"]), str(event["peer"])))
+                continue
             if kind == "ready":
                 worker.ready = True
                 worker.pid = int(event["pid"])
@@ -566,6 +608,7 @@ class Case:
             state.last = kind
             if kind == "connected":
                 state.connected = float(event["t"])
+                state.node = event.get("node")
             elif kind == "ranked":
                 state.ranks.append((float(event["t"]), int(event["rank"]), int(event["world"])))
             elif kind == "rejoin":
@@ -659,7 +702,7 @@ class Case:
         requests_kill = self.etcd.requests() if self.etcd else Counter()
         bytes_kill = self.etcd.sent_bytes() if self.etcd else 0
         cpu_kill = self._cpu_agents(living)
-        t_kill = time.monotonic()
+        t_kill = self.t_kill = time.monotonic()
         for victim in victims:
             if victim.forked:
                 assert victim.pid is not None
@@ -775,9 +818,9 @@ def cell(outcomes: list[Outcome], digits: int = 2) -> str:
 
 def table(results: dict[tuple[int, str], list[CaseResult]], sizes: list[int],
           backends: list[str]) -> list[str]:
-    columns = ["round 1 (s)", "round 2 (s)", "etcd requests round 1", "etcd requests/s idle",
-               "round change per agent: requests, KB (KB less idle)", "CPU s round 1",
-               "CPU ms per agent: round 1, round change"]
+    columns = ["round 1 (s)", "round 2 (s)", "false deaths", "etcd requests round 1",
+               "etcd requests/s idle", "round change per agent: requests, KB (KB less idle)",
+               "CPU s round 1", "CPU ms per agent: round 1, round change"]
     head = ["N", *(f"{SHORT[b]}: {c}" for b in backends for c in columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for n in sizes:
@@ -796,7 +839,9 @@ def table(results: dict[tuple[int, str], list[CaseResult]], sizes: list[int],
                 requests = rate = change = "n/a"
             per_agent = (f"{cell([c.cpu_per_agent for c in cases], 1)}, "
                          f"{cell([c.cpu_change_per_agent for c in cases], 1)}")
+            deaths = [c.false_deaths for c in cases if c.false_deaths is not None]
             row += [cell([c.round1 for c in cases]), cell([c.round2 for c in cases]),
+                    " / ".join(map(str, deaths)) if deaths else "n/a",
                     requests, rate, change, cpu, per_agent]
         lines.append("| " + " | ".join(row) + " |")
     return lines

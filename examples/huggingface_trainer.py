@@ -10,7 +10,8 @@ preempted node costs the step in flight instead of the steps since the last
         examples/huggingface_trainer.py --steps 200 --snapshot-dir /tmp/hf
 
 It needs ``pip install 'elastic-ext[transformers]'``; it trains on the CPU with gloo, or on
-``cuda:LOCAL_RANK`` with NCCL when there is a GPU.
+``cuda:LOCAL_RANK`` with NCCL when there is a GPU. ``--shard fsdp2`` shards the model with
+accelerate's FSDP2; the callback then hands off the shards.
 """
 
 from __future__ import annotations
@@ -40,6 +41,26 @@ class RandomTokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.ids[index], "labels": self.ids[index]}
 
 
+class FSDPOnCPU(Trainer):
+    """``--shard fsdp2`` on a machine without GPUs, where the tests run: accelerate keeps
+    its FSDP plugin only on accelerators and would train with DDP; this turns FSDP2 on
+    over gloo (two accelerate internals: ``AcceleratorState.distributed_type`` and
+    ``fsdp_plugin``). Not used on GPUs."""
+
+    def create_accelerator_and_postprocess(self) -> None:
+        from accelerate.state import PartialState
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        super().create_accelerator_and_postprocess()
+        state = self.accelerator.state
+        plugin_args = getattr(self.args, "fsdp_plugin_args", None)
+        if state.distributed_type == DistributedType.MULTI_CPU and plugin_args is not None:
+            state.fsdp_plugin = FullyShardedDataParallelPlugin(**plugin_args)
+            state.distributed_type = DistributedType.FSDP
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            self.is_fsdp_enabled = True
+
+
 class StepDelay(TrainerCallback):
     """Seconds added to each step, for the chaos harness to find the job mid-training."""
 
@@ -67,9 +88,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--step-delay", type=float, default=0.0, help="seconds added to each step")
     p.add_argument("--accumulate", type=int, default=1,
                    help="batches per optimizer step (gradient_accumulation_steps)")
+    p.add_argument("--shard", choices=("none", "fsdp2"), default="none",
+                   help="fsdp2: shard the GPT-2 blocks across the ranks (accelerate's FSDP2)")
     p.add_argument("--model-size", default="tiny",
                    help="accepted for the chaos harness's trainer contract; one model here")
     return p.parse_args()
+
+
+def sharding(shard: str) -> dict[str, Any]:
+    """The ``TrainingArguments`` that shard the model: none, or FSDP2 per GPT-2 block."""
+    if shard == "none":
+        return {}
+    return {"fsdp": "full_shard", "fsdp_config": {
+        "version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"],
+        "reshard_after_forward": True}}
 
 
 def main() -> None:
@@ -78,6 +110,7 @@ def main() -> None:
         snapshot_dir=args.snapshot_dir, snapshot_every=args.snapshot_every,  # elastic-ext
         events_file=args.metrics, total_steps=args.steps))  # elastic-ext
     config = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank (FSDP2 shards them)
     model = GPT2LMHeadModel(config)
     output_dir = args.output_dir or (args.snapshot_dir or Path(".")) / "hf-output"
     training = TrainingArguments(
@@ -85,9 +118,12 @@ def main() -> None:
         per_device_train_batch_size=max(1, args.global_batch_size // elastic.loop.world_size),
         gradient_accumulation_steps=args.accumulate,
         learning_rate=1e-3, logging_steps=10, report_to=[], dataloader_num_workers=0,
-        disable_tqdm=True, seed=args.seed, use_cpu=elastic.loop.device.type == "cpu")
-    trainer = Trainer(model=model, args=training, train_dataset=RandomTokens(4096, 32, 128),
-                      callbacks=[elastic, StepDelay(args.step_delay)])  # elastic-ext: elastic
+        disable_tqdm=True, seed=args.seed, use_cpu=elastic.loop.device.type == "cpu",
+        **sharding(args.shard))
+    on_cpu = elastic.loop.device.type == "cpu" and args.shard == "fsdp2"
+    trainer = (FSDPOnCPU if on_cpu else Trainer)(
+        model=model, args=training, train_dataset=RandomTokens(4096, 32, 128),
+        callbacks=[elastic, StepDelay(args.step_delay)])  # elastic-ext: elastic
     trainer.train(resume_from_checkpoint=elastic.resume_from(trainer))  # elastic-ext
 
 

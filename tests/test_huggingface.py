@@ -45,16 +45,50 @@ def test_a_trainer_run_loses_no_step_to_rank0s_machine_dying_or_a_preemption(
         assert (event["epoch"], event["offset"]) == (where.epoch, where.offset), event
 
 
+@pytest.mark.timeout(560)
+def test_an_fsdp2_trainer_run_hands_off_its_shards_at_every_world_size(tmp_path: Path) -> None:
+    """accelerate's FSDP2 (the example's ``--shard fsdp2``): the model is sharded only at
+    ``prepare``, so the callback restores at ``on_train_begin``. Rank 0's machine dies: the
+    survivor trains on from its shards and its copy of rank 0's (node memory, 2 -> 1); the
+    preempted job restarts on two machines from the DCP snapshot, resharded (1 -> 2).
+    0 steps twice, every step on its exactly-once data."""
+    result = run_program(rank0_then_preempt(steps=100), "hf-fsdp2", EXAMPLE, tmp_path,
+                         extra=("--shard", "fsdp2"))
+    events = check_rank0_then_preempt(result, tmp_path)
+    steps = [e for e in events if e["event"] == "step"]
+    assert steps[-1]["step"] == 100, steps[-1]
+    for event in steps:
+        where = position_after(event["step"], 12, DATASET_SIZE)
+        assert (event["epoch"], event["offset"]) == (where.epoch, where.offset), event
+    assert any((tmp_path / "snapshots").glob("dcp-*")), "the durable snapshots are DCP's"
+
+
+def fsdp_trainer(version: int) -> SimpleNamespace:
+    """What ``fsdp_version`` reads of a Trainer whose accelerator shards with FSDP ``version``."""
+    plugin = SimpleNamespace(fsdp_version=version)
+    return SimpleNamespace(is_fsdp_enabled=True,
+                           accelerator=SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)))
+
+
 @pytest.mark.parametrize("sharding", [{"fsdp": "full_shard"}, {"deepspeed": "ds.json"}])
-def test_a_sharded_trainer_is_refused_before_any_step_naming_what_to_use(
+def test_a_sharding_the_callback_cannot_keep_is_refused_before_any_step_naming_what_to_use(
         sharding: dict[str, str]) -> None:
+    """DeepSpeed, FSDP1, and ``fsdp=`` where accelerate trains with DDP after all (on CPUs
+    it drops its FSDP plugin): refused; FSDP2 that really shards is kept."""
     from elastic_ext.integrations.huggingface import refuse_sharding
 
     refuse_sharding(SimpleNamespace(fsdp=None, deepspeed=None))  # type: ignore[arg-type]
     args = SimpleNamespace(**{"fsdp": None, "deepspeed": None, **sharding})
     [name] = sharding
-    with pytest.raises(RuntimeError, match=rf"{name}=\.\.\.\) shards the model.*loop\.mesh"):
-        refuse_sharding(args)  # type: ignore[arg-type]
+    for trainer in (None, fsdp_trainer(1)):
+        with pytest.raises(RuntimeError, match=rf"{name}=\.\.\.\) shards the model in a way "
+                                               r"the callback does not keep.*FSDP2.*loop\.mesh"):
+            refuse_sharding(args, trainer)  # type: ignore[arg-type]
+    if name == "fsdp":
+        refuse_sharding(args, fsdp_trainer(2))  # type: ignore[arg-type]
+        with pytest.raises(RuntimeError, match="accelerate does not shard on this machine.*"
+                                               "drop fsdp= here, or run on GPUs"):
+            refuse_sharding(args, SimpleNamespace(is_fsdp_enabled=False))  # type: ignore[arg-type]
 
 
 HF_PREAMBLE = '''

@@ -207,8 +207,8 @@ def test_ddp_still_times_its_own_compute_apart_from_the_wait_for_peers() -> None
         assert callable(getattr(_resolve(dotted.rpartition(".")[0]), dotted.rpartition(".")[2],
                                 None)), f"torch internal {dotted} is gone"
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    ddp = DistributedDataParallel(torch.nn.Linear(64, 64))
     try:
-        ddp = DistributedDataParallel(torch.nn.Linear(64, 64))
         torch_compat.time_every_ddp_step(ddp)
         seen = []
         for _ in range(14):  # past DDP's first ten, which it times whatever the rate
@@ -222,4 +222,7 @@ def test_ddp_still_times_its_own_compute_apart_from_the_wait_for_peers() -> None
         assert seen[-1] > 10 and len(set(seen[-4:])) == 4, seen  # every step timed
         assert timed is not None and 0 < timed[1] < 5
     finally:
+        # DDP's reducer goes before its group: freed after the group was destroyed, its
+        # gloo group's destructor once waited forever for its threads (a hung suite)
+        del ddp
         dist.destroy_process_group()

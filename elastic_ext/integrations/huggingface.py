@@ -18,8 +18,12 @@ of an epoch once across the ranks, at any world size and after any restore) for 
 dataset with a length and the default ``train_sampling_strategy``; otherwise the
 Trainer's, which skips ``global_step`` batches of the new sharding on resume. Gradient
 accumulation keeps whole optimizer steps (a fault inside an accumulation trains its
-batches again, once). Not covered: DeepSpeed and FSDP models are sharded and are refused
-at the start (DDP only).
+batches again, once). Under accelerate's FSDP2 (``fsdp_config={"version": 2}``) the model
+is sharded only when training begins: ``resume_from`` returns None and the restore happens
+at ``on_train_begin``, into the sharded model, its optimizer and scheduler (the loop's
+sharded state: shards and their copies in node memory, resharded at the new world size;
+DCP snapshots on disk), then the ``TrainerState``'s progress. Not covered: DeepSpeed and
+FSDP1 shard in ways the callback does not keep, and are refused at the start.
 """
 
 from __future__ import annotations
@@ -91,6 +95,23 @@ def _callback_states(trainer: Any) -> dict[str, Any]:
     return states
 
 
+_PROGRESS_FIELDS = ("global_step", "epoch", "log_history", "total_flos",
+                   "num_input_tokens_seen", "best_metric", "best_global_step",
+                   "best_model_checkpoint")
+
+
+def load_progress(trainer: Any, state: TrainerState, saved: dict[str, Any]) -> None:
+    """Put a kept ``TrainerState``'s progress into the live ``state`` at ``on_train_begin``
+    (a restore the Trainer did not do itself), and the two counters the Trainer took from
+    it just before: ``_initial_global_step`` and ``_globalstep_last_logged`` (its loss
+    average and throughput count from them)."""
+    for name in _PROGRESS_FIELDS:
+        if name in saved:
+            setattr(state, name, saved[name])
+    for counter in ("_initial_global_step", "_globalstep_last_logged"):
+        setattr(trainer, counter, state.global_step)
+
+
 def batches_of_this_step(trainer: Any) -> int:
     """How many batches the Trainer fetched for the optimizer step it begins:
     ``Trainer.current_gradient_accumulation_steps`` (transformers 5), the first of the two
@@ -141,16 +162,37 @@ def use_the_loops_order(trainer: Any, loop: ElasticLoop) -> StepSampler | None:
     return sampler
 
 
-def refuse_sharding(args: TrainingArguments) -> None:
-    """Raise before training when the Trainer shards the model (``fsdp``, ``deepspeed``):
-    the callback would keep a shard as if it were the whole state."""
+def fsdp_version(trainer: Any) -> int | None:
+    """The FSDP version the Trainer's accelerator shards the model with; None without FSDP
+    (accelerate keeps its FSDP plugin only on accelerators: on CPUs it trains with DDP)."""
+    if not getattr(trainer, "is_fsdp_enabled", False):
+        return None
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    return int(getattr(plugin, "fsdp_version", 1) or 1)
+
+
+def refuse_sharding(args: TrainingArguments, trainer: Any = None) -> None:
+    """Raise before training when the Trainer shards the model in a way the callback cannot
+    keep (``deepspeed``, FSDP1's flat parameters): it would keep a shard as if it were the
+    whole state. FSDP2 (``fsdp_config={"version": 2}``) is kept, when the accelerator
+    really shards (``fsdp_version``)."""
+    if trainer is not None and fsdp_version(trainer) == 2:
+        if args.deepspeed:
+            raise RuntimeError("ElasticCallback: TrainingArguments(deepspeed=...) beside FSDP2: "
+                               "give one of them")
+        return
+    if trainer is not None and args.fsdp and not getattr(trainer, "is_fsdp_enabled", False):
+        raise RuntimeError("ElasticCallback: TrainingArguments(fsdp=...), but accelerate does "
+                           "not shard on this machine (it keeps its FSDP plugin only on "
+                           "accelerators, and would train with DDP): drop fsdp= here, or run "
+                           "on GPUs")
     for name in ("fsdp", "deepspeed"):
         if getattr(args, name, None):
             raise RuntimeError(
-                f"ElasticCallback: TrainingArguments({name}=...) shards the model; the "
-                "callback keeps and hands off replicated (DDP) state only, not a sharded "
-                "model's yet: train without it, or write the loop on elastic_ext.ElasticLoop "
-                "with loop.mesh() for FSDP2 and HSDP "
+                f"ElasticCallback: TrainingArguments({name}=...) shards the model in a way "
+                "the callback does not keep: it keeps replicated (DDP) state and FSDP2's "
+                "(fsdp_config={'version': 2}), not FSDP1's flat parameters or DeepSpeed's "
+                "partitions; or write the loop on elastic_ext.ElasticLoop with loop.mesh() "
                 "(docs/snapshot-hook.md#sharded-state-fsdp2-hsdp)")
 
 
@@ -169,12 +211,18 @@ class ElasticCallback(TrainerCallback):
         self._trainer_state = _TrainerStateEntry()
         self._resume_dir: Path | None = None
         self._restored = False
+        self._in_train = False  # restore at on_train_begin (a model accelerate shards)
         self._sampler: StepSampler | None = None
 
     def resume_from(self, trainer: Any) -> str | None:
         """Load the newest step any rank holds (collective, on every rank) and write it as
         a checkpoint directory for ``trainer.train(resume_from_checkpoint=...)``; None for
         a fresh start.
+
+        Under FSDP2 the model is sharded only once training begins (accelerate's
+        ``prepare``): this returns None, and the callback restores into the sharded model,
+        its optimizer and scheduler at ``on_train_begin``, from the peers' shards at the
+        new world size.
 
         Raises:
             SnapshotMismatchError: the newest state is of another model, or was not
@@ -186,6 +234,11 @@ class ElasticCallback(TrainerCallback):
         # stops at (the boundary may exit there).
         handler = trainer.callback_handler
         handler.callbacks = [c for c in handler.callbacks if c is not self] + [self]
+        refuse_sharding(trainer.args, trainer)
+        if fsdp_version(trainer) == 2:
+            self._in_train = True
+            self._sampler = use_the_loops_order(trainer, self.loop)
+            return None
         restored = restore_for_framework(self.loop, model, _KEPT,
                                          "elastic_ext.integrations.huggingface.ElasticCallback")
         self._restored = True
@@ -208,12 +261,15 @@ class ElasticCallback(TrainerCallback):
     # -- the Trainer's events, on every rank
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
                        control: TrainerControl, **kwargs: Any) -> None:
-        refuse_sharding(args)
+        refuse_sharding(args, self._trainer_state.trainer)
         if args.world_size != self.loop.world_size:
             raise RuntimeError(
                 f"the Trainer runs {args.world_size} rank(s) of the {self.loop.world_size} "
                 "torchrun started, so it would train alone; on CPUs give "
                 "TrainingArguments(use_cpu=True), which makes it use the process group")
+        if self._in_train:
+            self._restore_sharded(state, kwargs)
+            return
         if not self._restored:
             raise RuntimeError("ElasticCallback: call trainer.train(resume_from_checkpoint="
                                "callback.resume_from(trainer)) so that a new round starts "
@@ -228,6 +284,24 @@ class ElasticCallback(TrainerCallback):
             raise RuntimeError(
                 f"the Trainer starts at step {state.global_step} but elastic-ext restored "
                 f"step {self.loop.step}: resume only from ElasticCallback.resume_from(trainer)")
+
+    def _restore_sharded(self, state: TrainerState, objects: dict[str, Any]) -> None:
+        """FSDP2: the model is sharded and the optimizer and scheduler made; restore into
+        them (collective), then the Trainer's progress into ``state``."""
+        optimizer = objects["optimizer"]
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
+        restored = restore_for_framework(
+            self.loop, objects["model"], ("trainer_state",),
+            "elastic_ext.integrations.huggingface.ElasticCallback",
+            optimizer=inner, scheduler=objects["lr_scheduler"])
+        self._restored = True
+        if restored is not None:
+            load_progress(self._trainer_state.trainer, state,
+                          json.loads(restored.state["trainer_state"]["json"]))
+            logger.info("resuming the Trainer at step %d from %s", restored.step,
+                        restored.origin)
+        self._trainer_state.state = state
+        self.loop.framework.track(trainer_state=self._trainer_state)
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState,
                       control: TrainerControl, **kwargs: Any) -> None:
@@ -257,4 +331,5 @@ class ElasticCallback(TrainerCallback):
         self.loop.finish()
 
 
-__all__ = ["ElasticCallback", "LoopSettings", "refuse_sharding"]
+__all__ = ["ElasticCallback", "LoopSettings", "fsdp_version", "load_progress",
+           "refuse_sharding"]
