@@ -88,6 +88,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from elastic_ext.chaos.throttle import DutyCycle
 from elastic_ext.local.etcd import received_requests, sent_bytes
 from elastic_ext.net import free_ports
 
@@ -475,6 +476,7 @@ class Case:
         self.events: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
         self.verdicts: list[tuple[float, str]] = []  # (t, node declared dead), by anyone
         self.t_kill: float | None = None
+        self.throttle: DutyCycle | None = None
         self.torch_version = ""
         self.readers: list[threading.Thread] = []
 
@@ -499,8 +501,8 @@ class Case:
         victims = {self.agents[i].node for w in self.workers[-self.args.kill:] for i in w.agents}
         t_kill = self.t_kill if self.t_kill is not None else math.inf
         wrong = {peer for t, peer in self.verdicts if t < t_kill or peer not in victims}
-        if wrong:
-            self.say(f"{len(wrong)} live agent(s) declared dead")
+        self.say(f"declared dead: {len({peer for _, peer in self.verdicts})} agent(s), "
+                 f"{len(wrong)} of them alive")
         return len(wrong)
 
     # -- setting up --------------------------------------------------------------------------
@@ -511,6 +513,10 @@ class Case:
             endpoint = f"127.0.0.1:{self.etcd.port}"
             if self.args.etcd_core is not None:
                 os.sched_setaffinity(self.etcd.proc.pid, {self.args.etcd_core})
+            if self.args.etcd_throttle is not None:
+                pid = self.etcd.proc.pid
+                self.throttle = DutyCycle(lambda: [pid], fraction=self.args.etcd_throttle,
+                                          name="etcd").start()
         else:
             port = free_ports(1, "127.0.0.1")[0]
             endpoint = f"c10d://127.0.0.1:{port}" if self.backend == "embedded" \
@@ -791,6 +797,8 @@ class Case:
         return ", ".join(f"{m} {c}" for m, c in counts.most_common(4) if c) or "none"
 
     def cleanup(self) -> None:
+        if self.throttle is not None:
+            self.throttle.stop()
         for proc in {id(w.proc): w.proc for w in self.workers}.values():
             kill_group(proc)  # a forked worker dies with its starter (PR_SET_PDEATHSIG)
         if self.etcd is not None:
@@ -883,6 +891,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="etcd pinned to this CPU, the agents to the others (etcd runs on "
                              "machines of its own in a real job; on a small machine a "
                              "thousand agents leave it almost no CPU)")
+    parser.add_argument("--etcd-throttle", type=float, metavar="FRACTION",
+                        help="etcd runs this fraction of every 30 ms and is stopped for the "
+                             "rest (SIGSTOP/SIGCONT: a starved store, e.g. 0.25)")
     parser.add_argument("--kill", type=int, default=1,
                         help="agents SIGKILLed after round 1 (each alone in its process); "
                              "--nnodes is N-KILL:N")
@@ -953,7 +964,9 @@ def main(argv: list[str] | None = None) -> int:
              "; etcd-ext with its defaults (heartbeat_interval 1 s on etcd, 0.5 s embedded; "
              "heartbeat_timeout 3 s)")
           + (f"; etcd pinned to CPU {args.etcd_core}, the agents to the others"
-             if args.etcd_core is not None else ""))
+             if args.etcd_core is not None else "")
+          + (f"; etcd throttled: it runs {args.etcd_throttle:g} of every 30 ms "
+             "(SIGSTOP/SIGCONT)" if args.etcd_throttle is not None else ""))
     print("- round 1: start barrier -> every agent has its rank (handler built + "
           "next_rendezvous()" + (" + torchrun's worker rank assignment on the round's store"
                                  if args.worker_ranks else "")

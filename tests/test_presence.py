@@ -26,6 +26,7 @@ from elastic_ext.rendezvous.agent.presence import (
     PresenceListener,
     PresenceProbe,
     PresenceWatch,
+    connects,
     refuses,
 )
 from elastic_ext.rendezvous.protocol.policy import Limits
@@ -361,6 +362,41 @@ def test_many_agents_still_at_once_on_machines_that_answer_are_not_declared_dead
     finally:
         keeper.stop()
         for listener in listeners.values():
+            listener.close()
+
+
+def test_many_agents_still_at_once_on_machines_gone_silent_are_dead_though_held_open(
+        tmp_path: Path) -> None:
+    """Six of ten machines stop answering after the keeper's connections to them were
+    made (each port's one backlog slot holds the keeper's connection, and nothing
+    accepts: later connection attempts are dropped, as by a machine off the network, while
+    the held connection stays open on this side). A held connection proves nothing then:
+    a fresh dial does, and they are declared dead within a second of the timeout."""
+    listeners = []
+    for _ in range(10):
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        listeners.append(listener)
+    ports = {f"n{i}": int(listener.getsockname()[1]) for i, listener in enumerate(listeners)}
+    store = MemoryStore()
+    keeper = watching_keeper(MemoryBackend(store), ports, tmp_path)
+    others, still = set(ports), {f"n{i}" for i in range(6)}
+    try:
+        with Beating(MemoryBackend(store), ports) as beating:
+            keeper.start()
+            assert wait_until(lambda: set(keeper.peer_silence()) == others, timeout=2.0)
+            assert wait_until(lambda: all(refuses("127.0.0.1", p) is False and
+                                          not connects("127.0.0.1", p, 0.1)
+                                          for p in ports.values()), timeout=2.0)
+            stilled = time.monotonic()
+            beating.still = still
+            assert wait_until(lambda: keeper.dead_among(others) == still, timeout=3.0), \
+                keeper.dead_among(others)
+            assert time.monotonic() - stilled < 1.0 + 1.0 + 0.5  # timeout, a tick, a dial
+    finally:
+        keeper.stop()
+        for listener in listeners:
             listener.close()
 
 

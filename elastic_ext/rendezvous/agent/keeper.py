@@ -33,6 +33,7 @@ from elastic_ext.rendezvous.agent.events import EventKind, EventLog
 from elastic_ext.rendezvous.agent.hung_workers import stop_hung_workers
 from elastic_ext.rendezvous.agent.notices import NoticeRelay
 from elastic_ext.rendezvous.agent.presence import (
+    AnswerProbe,
     PresenceListener,
     PresenceProbe,
     PresenceWatch,
@@ -84,6 +85,7 @@ class Keeper:
         self._view = RunView(backend, node)  # the state's head, the whole state if judging
         self._presence = PresenceListener()
         self._probe = PresenceProbe()
+        self._answers = AnswerProbe()  # for a judge in doubt (watcher.Doubt)
         self._held = PresenceWatch()  # used by the tick's thread only
         self._notices = NoticeRelay(backend, node, limits=limits, control=control,
                                     events=events, clock=clock, wake=self._wake.set)
@@ -209,6 +211,7 @@ class Keeper:
             if self._thread.is_alive():  # leaving revokes its heartbeat (etcd's backend.leave)
                 logger.warning("etcd-ext: keeper still in a store call; leaving without it")
         self._notices.close()
+        self._answers.close()
         if self._thread is None or not self._thread.is_alive():
             self._held.close()
         self._presence.close()
@@ -300,7 +303,7 @@ class Keeper:
             self._book.learn_infos(infos)
         judgement = self._watcher.judge(
             seen, lambda nodes: self._held.gone_among(self._book.targets(nodes)),
-            lambda nodes: self._held.answering(self._book.targets(nodes)))
+            lambda nodes: self._answers.answering(self._book.targets(nodes)))
         self._tell_doubt(judgement.doubt)
         for death in judgement.to_report:
             self._events.emit(EventKind.NODE_LEFT if death.left else EventKind.NODE_DEAD,

@@ -122,7 +122,6 @@ class PresenceWatch:
         self._selector = selectors.DefaultSelector()
         self._conns: dict[tuple[str, int], socket.socket] = {}
         self._gone: set[tuple[str, int]] = set()
-        self._up: set[tuple[str, int]] = set()  # connections made (not pending)
         self._made_at: dict[tuple[str, int], float] = {}
         self._strikes: dict[tuple[str, int], int] = {}  # short-lived connections in a row
         self._fd_room = _fd_room()
@@ -148,12 +147,6 @@ class PresenceWatch:
         self._gone &= wanted
         return frozenset(node for node, key in targets.items() if key in self._gone)
 
-    def answering(self, targets: Mapping[str, tuple[str, int]]) -> frozenset[str]:
-        """Of ``targets``, those whose connection is held open now: their machine's kernel
-        answered, so the machine is up, whatever its agent's pace. A connection still
-        being made (a silent machine) or never tried does not count."""
-        return frozenset(node for node, key in targets.items() if key in self._up)
-
     def _connect(self, key: tuple[str, int]) -> None:
         try:
             family, kind, proto, _, addr = socket.getaddrinfo(*key, type=socket.SOCK_STREAM)[0]
@@ -171,8 +164,6 @@ class PresenceWatch:
             return
         self._conns[key] = sock
         self._made_at[key] = time.monotonic()
-        if code == 0:
-            self._up.add(key)
         self._selector.register(sock, selectors.EVENT_WRITE if code else selectors.EVENT_READ,
                                 key)
 
@@ -182,7 +173,6 @@ class PresenceWatch:
             code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if code == 0:
                 self._selector.modify(sock, selectors.EVENT_READ, key)
-                self._up.add(key)
                 return
             self._drop(key)
             if code == errno.ECONNREFUSED:
@@ -213,7 +203,6 @@ class PresenceWatch:
 
     def _drop(self, key: tuple[str, int]) -> None:
         self._made_at.pop(key, None)
-        self._up.discard(key)
         sock = self._conns.pop(key)
         self._selector.unregister(sock)
         sock.close()
@@ -294,6 +283,52 @@ class PresenceProbe:
                         "node", *key)
             with self._lock:
                 self._gone.add(key)
+
+
+ANSWER_FRESH_S = 2.0
+"""How long a probe's answer stands for ``AnswerProbe``: a node still for longer is dialed again."""
+
+
+class AnswerProbe:
+    """Whose machine answers a connection now, asked without waiting: a keeper that
+    doubts itself (``watcher.Doubt``) spares a still node whose machine's kernel still
+    accepts a fresh connection (a starved agent, a starved store), and not one whose
+    machine is silent (off the network). A held connection cannot tell: one made before
+    the machine vanished stays open on this side. Each ask starts, in the background, a
+    dial to every node without an answer of the last ``ANSWER_FRESH_S``; until it is back,
+    the node counts as answering (the keeper waits a tick rather than guess)."""
+
+    def __init__(self, fresh_s: float = ANSWER_FRESH_S) -> None:
+        self._fresh_s = fresh_s
+        self._lock = threading.Lock()
+        self._answered: dict[tuple[str, int], tuple[float, bool]] = {}  # when, answered
+        self._asked: set[tuple[str, int]] = set()  # dials in flight
+        self._pool: ThreadPoolExecutor | None = None
+
+    def answering(self, targets: Mapping[str, tuple[str, int]]) -> frozenset[str]:
+        """Of ``targets`` (node -> presence address and port), those not known silent."""
+        now = time.monotonic()
+        with self._lock:
+            due = [key for key in set(targets.values()) if key not in self._asked
+                   and now - self._answered.get(key, (-self._fresh_s, True))[0] >= self._fresh_s]
+            self._asked.update(due)
+            silent = {key for key, (_, answered) in self._answered.items() if not answered}
+            if due and self._pool is None:
+                self._pool = ThreadPoolExecutor(_REACH_THREADS, thread_name_prefix="etcd-ext-ask")
+        for key in due:
+            assert self._pool is not None
+            self._pool.submit(self._dial, key)
+        return frozenset(node for node, key in targets.items() if key not in silent)
+
+    def _dial(self, key: tuple[str, int]) -> None:
+        answered = _dial(*key, PROBE_TIMEOUT_S) != "silent"  # a refusal answers too
+        with self._lock:
+            self._answered[key] = (time.monotonic(), answered)
+            self._asked.discard(key)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def answers(addr: str, port: int, timeout: float = REACH_TIMEOUT_S) -> bool:

@@ -11,11 +11,11 @@ connections are injected (``gone_among``, ``answering``), as the clock is into `
 A judge that may be the slow one waits. When many of the nodes it watches go still at
 once (more than half of at least ``MANY_WATCHED``), the likelier cause is its own
 starvation or the store's, not that many machines died in the same second: it spares
-those whose presence connection it holds open (their machine's kernel answers, so the
-machine is up) until they beat or their connection ends. A machine that fell off the
-network holds no connection and is judged as before; an agent that died closes its
-connection and is gone at once. What this costs: more than half of a large job's agents
-frozen at once (their machines up) are found only when they are stopped or killed.
+those whose machine still accepts a fresh connection to its presence port (``answering``:
+the kernel answers, so the machine is up) until they beat or their agent's port closes.
+A machine that fell off the network does not answer and is judged as before; an agent
+that died closes its port and is gone at once. What this costs: more than half of a large
+job's agents frozen at once (their machines up) are found only when they are killed.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ GoneAmong = Callable[[Iterable[str]], frozenset[str]]
 """Of the nodes given, those whose presence connection ended (``presence.PresenceWatch``)."""
 
 Answering = Callable[[Iterable[str]], frozenset[str]]
-"""Of the nodes given, those whose presence connection is held open (``PresenceWatch``)."""
+"""Of the nodes given, those whose machine is not known silent (``presence.AnswerProbe``)."""
 
 MANY_WATCHED = 8
 """The fewest watched nodes for which "more than half still at once" reads as the judge's
@@ -46,7 +46,7 @@ def nobody_answers(nodes: Iterable[str]) -> frozenset[str]:
 @dataclass(frozen=True)
 class Doubt:
     """A tick that judged nobody on a still counter: ``stale`` of the ``watched`` nodes were
-    still at once, and ``spared`` of those hold their presence connection open."""
+    still at once, and ``spared`` of those have machines that answer."""
 
     stale: int
     watched: int
