@@ -16,8 +16,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from elastic_ext.worker.loop.data import position_after
-from tests.support.chaos import check_rank0_then_preempt, rank0_then_preempt, run_program
+from tests.support.chaos import (
+    check_every_step_on_its_data,
+    check_rank0_then_preempt,
+    rank0_then_preempt,
+    run_program,
+)
 from tests.support.readme_snippets import RUN_ID, readme_snippet, run_snippet
 
 pytestmark = pytest.mark.slow
@@ -35,14 +39,10 @@ def test_a_trainer_run_loses_no_step_to_rank0s_machine_dying_or_a_preemption(
     result = run_program(rank0_then_preempt(steps=100), "hf-rank0-preempt", EXAMPLE, tmp_path,
                          extra=("--accumulate", str(ACCUMULATE)))
     events = check_rank0_then_preempt(result, tmp_path)
-    # The loop's exactly-once order across the world sizes 2, 1, 2: each step trained the
-    # batches an uninterrupted run gives it (the global batch stays 12: the example gives
-    # each rank 12 / world size)
-    steps = [e for e in events if e["event"] == "step"]
-    assert steps[-1]["step"] == 100, steps[-1]
-    for event in steps:
-        where = position_after(event["step"] * ACCUMULATE, 12, DATASET_SIZE)
-        assert (event["epoch"], event["offset"]) == (where.epoch, where.offset), event
+    # The loop's exactly-once order across the world sizes 2, 1, 2 (the global batch stays
+    # 12: the example gives each rank 12 / world size)
+    check_every_step_on_its_data(events, last=100, dataset_size=DATASET_SIZE,
+                                 batches_per_step=ACCUMULATE)
 
 
 @pytest.mark.timeout(560)
@@ -55,11 +55,7 @@ def test_an_fsdp2_trainer_run_hands_off_its_shards_at_every_world_size(tmp_path:
     result = run_program(rank0_then_preempt(steps=100), "hf-fsdp2", EXAMPLE, tmp_path,
                          extra=("--shard", "fsdp2"))
     events = check_rank0_then_preempt(result, tmp_path)
-    steps = [e for e in events if e["event"] == "step"]
-    assert steps[-1]["step"] == 100, steps[-1]
-    for event in steps:
-        where = position_after(event["step"], 12, DATASET_SIZE)
-        assert (event["epoch"], event["offset"]) == (where.epoch, where.offset), event
+    check_every_step_on_its_data(events, last=100, dataset_size=DATASET_SIZE)
     assert any((tmp_path / "snapshots").glob("dcp-*")), "the durable snapshots are DCP's"
 
 

@@ -24,8 +24,12 @@ from typing import Any
 
 import pytest
 
-from elastic_ext.worker.loop.data import position_after
-from tests.support.chaos import check_rank0_then_preempt, rank0_then_preempt, run_program
+from tests.support.chaos import (
+    check_every_step_on_its_data,
+    check_rank0_then_preempt,
+    rank0_then_preempt,
+    run_program,
+)
 from tests.support.readme_snippets import RUN_ID, readme_snippet, run_snippet
 
 pytestmark = pytest.mark.slow
@@ -47,11 +51,10 @@ def test_a_lightning_run_loses_no_step_to_rank0s_machine_dying_or_a_preemption(
     events = check_rank0_then_preempt(result, tmp_path)
     # Each step trained the batches the uninterrupted order gives it, across the end of
     # the first epoch too.
-    steps = [e for e in events if e["event"] == "step"]
-    assert steps[-1]["step"] == 60 and steps[-1]["epoch"] == 1, steps[-1]
-    for event in steps:
-        where = position_after(event["step"] * ACCUMULATE, 12, DATASET_SIZE)
-        assert (event["epoch"], event["offset"]) == (where.epoch, where.offset), event
+    check_every_step_on_its_data(events, last=60, dataset_size=DATASET_SIZE,
+                                 batches_per_step=ACCUMULATE)
+    last = [e for e in events if e["event"] == "step"][-1]
+    assert last["epoch"] == 1, last  # the restarted job crossed the first epoch's end
 
 
 @pytest.mark.timeout(560)
@@ -65,11 +68,7 @@ def test_a_sharded_lightning_run_hands_off_its_shards_at_every_world_size(
     result = run_program(rank0_then_preempt(steps=60), "pl-sharded", EXAMPLE, tmp_path,
                          extra=("--shard", "fsdp2"))
     events = check_rank0_then_preempt(result, tmp_path)
-    steps = [e for e in events if e["event"] == "step"]
-    assert steps[-1]["step"] == 60, steps[-1]
-    for event in steps:
-        where = position_after(event["step"], 12, DATASET_SIZE)
-        assert (event["epoch"], event["offset"]) == (where.epoch, where.offset), event
+    check_every_step_on_its_data(events, last=60, dataset_size=DATASET_SIZE)
     assert any((tmp_path / "snapshots").glob("dcp-*")), "the durable snapshots are DCP's"
 
 

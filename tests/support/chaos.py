@@ -8,6 +8,7 @@ from typing import Any
 from elastic_ext.chaos.runner import RunOptions, RunResult, run_scenario
 from elastic_ext.chaos.scenario import parse
 from elastic_ext.jsonlines import read_json_lines
+from elastic_ext.worker.loop.data import position_after
 
 
 def explain(result: RunResult, tail: int = 4000) -> str:
@@ -78,6 +79,18 @@ def check_rank0_then_preempt(result: RunResult, workdir: Path) -> list[dict[str,
     assert [e["source"] for e in restored] == ["none", "local", "disk"], explain(result)
     assert restored[-1]["step"] == preempted[0]["step"], explain(result)
     return events
+
+
+def check_every_step_on_its_data(events: list[dict[str, Any]], *, last: int, dataset_size: int,
+                                 batches_per_step: int = 1, batch: int = 12) -> None:
+    """Every step of ``events`` trained the batches an uninterrupted run gives it (the
+    loop's exactly-once order, ``batch`` samples a batch, across epochs and world sizes),
+    and the run ended at step ``last``."""
+    steps = [e for e in events if e["event"] == "step"]
+    assert steps and steps[-1]["step"] == last, steps[-1:]
+    for event in steps:
+        where = position_after(event["step"] * batches_per_step, batch, dataset_size)
+        assert (event["epoch"], event["offset"]) == (where.epoch, where.offset), event
 
 
 def worlds(result: RunResult) -> list[int]:
