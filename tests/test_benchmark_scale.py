@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.etcd]
 
 REPO = Path(__file__).resolve().parents[1]
 NUMBER = r"\d+(\.\d+)?"
-COLUMNS = ["round 1", "round 2", "requests", "requests/s", "change", "CPU", "CPU per agent"]
+COLUMNS = ["round 1", "round 2", "false deaths", "requests", "requests/s", "change", "CPU",
+           "CPU per agent"]
 
 
 def run_benchmark(*args: str, timeout: float) -> tuple[str, str]:
@@ -57,6 +58,8 @@ def test_scale_benchmark_fills_its_table_for_the_embedded_store_and_stock_c10d()
     for backend, row in by_backend.items():
         assert re.fullmatch(NUMBER, row["round 1"]), (backend, row, err[-3000:])
         assert re.fullmatch(NUMBER, row["round 2"]), (backend, row, err[-3000:])
+    assert by_backend["embedded"]["false deaths"] == "0", by_backend  # etcd-ext's verdicts
+    assert by_backend["stock"]["false deaths"] == "n/a", by_backend  # stock has none to count
     for backend in ("embedded", "stock"):
         row = by_backend[backend]
         assert row["requests"] == row["requests/s"] == row["change"] == "n/a", row
@@ -85,6 +88,8 @@ def test_64_agents_on_a_real_etcd_form_a_round_and_form_it_again_after_two_are_k
                      strict=True))
     assert re.fullmatch(NUMBER, cells["round 1"]), (cells, err[-3000:])
     assert re.fullmatch(NUMBER, cells["round 2"]), (cells, err[-3000:])
+    assert cells["false deaths"] == "0", (cells, err[-3000:])  # only the 2 victims were dead
+    assert "declared dead: 2 agent(s), 0 of them alive" in err, err[-3000:]
     assert re.fullmatch(r"\d+", cells["requests"]) and int(cells["requests"]) > 0, cells
     assert re.fullmatch(NUMBER, cells["requests/s"]), cells
     # the round change per survivor: requests, KB etcd sent (some of each: a new round),

@@ -99,6 +99,10 @@ def test_a_snapshot_of_another_run_is_refused_unless_the_loop_resumes_other_runs
     assert sorted(steps_of(other)) == [4]
     # and from then on the snapshots are run 'second''s
     assert run_job(tmp_path, run_id="second", steps=5, dataset=10).returncode == 0
+    # torchrun --standalone makes up an id for every launch: it names no job
+    made_up = run_job(tmp_path, run_id="5d101506-92d9-468a-be38-db9d13e653cc", steps=6,
+                      dataset=10)
+    assert made_up.returncode == 0 and sorted(steps_of(made_up)) == [6], made_up.stderr[-2000:]
 
 
 def test_an_error_that_is_not_a_peers_fault_ends_the_process_with_its_traceback(

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -231,9 +232,19 @@ def _run_id() -> str:
     return os.environ.get("TORCHELASTIC_RUN_ID", "")
 
 
+_MADE_UP_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
+
+
+def named_run(run_id: str) -> bool:
+    """Whether ``run_id`` names a job: not empty, and not the random id ``torchrun
+    --standalone`` makes up for every launch (a uuid4), under which stopping and starting
+    again in the same directory is the usual way to resume."""
+    return bool(run_id) and _MADE_UP_ID.fullmatch(run_id) is None
+
+
 def refuse_other_run(restored: Restored | None, *, allowed: bool) -> None:
     """Raise unless ``restored`` was trained in this run, was written before snapshots
-    named their run, or ``allowed``.
+    named their run, either run has no id of its own (``named_run``), or ``allowed``.
 
     Raises:
         SnapshotMismatchError: the snapshot names another run id (the message names the
@@ -242,7 +253,8 @@ def refuse_other_run(restored: Restored | None, *, allowed: bool) -> None:
     if restored is None or allowed:
         return
     theirs, ours = restored.state.get(RUN_KEY), _run_id()
-    if not isinstance(theirs, str) or not theirs or not ours or theirs == ours:
+    if not isinstance(theirs, str) or not named_run(theirs) or not named_run(ours) \
+            or theirs == ours:
         return
     raise SnapshotMismatchError(
         f"{restored.origin} (step {restored.step}) was written by run {theirs!r}, and this "
