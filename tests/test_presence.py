@@ -411,10 +411,11 @@ class SlowStore(MemoryBackend):
 
 
 def test_a_store_too_slow_to_answer_in_half_the_timeout_kills_nobody_then_judging_resumes(
-        tmp_path: Path) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The judge's reads take 0.8 s (more than half the 1 s timeout) while no beat lands
     for 3 s: what it reads says nothing about the time since, so nobody is dead. Once the
-    store is quick again, a node that stays still is dead after the timeout."""
+    store is quick again, a node that stays still is dead after the timeout. The keeper
+    says once that its ticks (and so its own heartbeat) run late."""
     listeners = [PresenceListener() for _ in range(4)]  # a small job: no doubt by numbers
     ports = {f"n{i}": listener.port for i, listener in enumerate(listeners)}
     store = MemoryStore()
@@ -433,6 +434,8 @@ def test_a_store_too_slow_to_answer_in_half_the_timeout_kills_nobody_then_judgin
             backend.delay, beating.still = 0.0, {"n3"}
             assert wait_until(lambda: keeper.dead_among(others) == {"n3"}, timeout=3.0), \
                 keeper.dead_among(others)
+            assert caplog.text.count("a keeper tick took") == 1, caplog.text[-2000:]
+            assert "s (its interval: 0.1s; 4 node(s) judged)" in caplog.text
     finally:
         keeper.stop()
         for listener in listeners:

@@ -58,6 +58,10 @@ from elastic_ext.rendezvous.stores.contract import StoreBackend
 logger = logging.getLogger(__name__)
 
 
+LATE_TICK_LOG_S = 60.0
+"""At most one warning this often that a tick outlasted the interval (its beat was late)."""
+
+
 class Keeper:
     """Runs ``tick`` every ``interval`` in its own thread once started; ``tick`` alone in tests."""
 
@@ -220,11 +224,19 @@ class Keeper:
         """A tick every ``interval``, and one whenever woken in between, which neither
         moves the next nor beats (``StoreBackend.keeper_read``'s ``due``)."""
         due_at = self._clock.monotonic()
+        told_late_at = -LATE_TICK_LOG_S
         while not self._stop.is_set():
             due = self._clock.monotonic() >= due_at
             if due:
                 due_at = self._clock.monotonic() + self._interval
+            began = self._clock.monotonic()
             self.tick(due)
+            took = self._clock.monotonic() - began
+            if took > self._interval and began - told_late_at >= LATE_TICK_LOG_S:
+                told_late_at = began
+                logger.warning("etcd-ext: a keeper tick took %.1fs (its interval: %.1fs; "
+                               "%d node(s) judged): this node's heartbeat is that late",
+                               took, self._interval, len(self._watcher.liveness.silence()))
             self._wake.wait(max(0.0, due_at - self._clock.monotonic()))
             self._wake.clear()
 
