@@ -27,9 +27,8 @@ covered: a ``training_step`` that takes ``dataloader_iter``, or a batch skipped 
 returning None or -1; plateau schedulers (they step after the boundary, so a keep there
 may hold them either side of their step); FSDP1, DeepSpeed and ZeroRedundancyOptimizer
 (refused at the start); callbacks that swap the weights when checkpointing (weight
-averaging); hyperparameters
-are not kept (``fit`` does not read them) and what ``on_save_checkpoint`` adds must be
-plain data (tensors, numbers, strings, containers).
+averaging); hyperparameters are not kept (``fit`` does not read them) and what
+``on_save_checkpoint`` adds must be plain data (tensors, numbers, strings, containers).
 
 A module that builds or shards its layers in ``configure_model`` (FSDP2 under
 ``ModelParallelStrategy``) exists whole only inside ``fit``: ``resume_from`` returns None

@@ -40,6 +40,7 @@ MANY_WATCHED = 8
 
 
 def nobody_answers(nodes: Iterable[str]) -> frozenset[str]:
+    """No machine known to answer: a judge in doubt spares nobody (the default)."""
     return frozenset()
 
 
@@ -174,7 +175,6 @@ class Watcher:
             self._inherited, self._inherited_left = set(verdict.dead), set(verdict.left)
             return frozenset(own | verdict.dead), frozenset(left | verdict.left)
         return frozenset(own), frozenset(left)
-
 
     def _unless_doubtful(self, dead: frozenset[str], watched: Mapping[str, object],
                          answering: Answering) -> frozenset[str]:
