@@ -20,6 +20,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, Rend
 
 from elastic_ext.control_channel import CONTROL_DIR_ENV
 from elastic_ext.rendezvous.agent import handler as handler_module
+from elastic_ext.rendezvous.agent.head_path import CLOSER_REQUESTS
 from elastic_ext.rendezvous.agent.join_session import OLD_ROUND_GRACE_S
 from elastic_ext.rendezvous.agent.presence import PresenceListener
 from elastic_ext.rendezvous.errors import (
@@ -660,12 +661,15 @@ def test_rank_0_drops_an_old_rounds_keys_only_a_grace_after_the_round_completed(
     assert lab.state().round == 4 and rounds_kept() == [3, 4]
 
 
+@pytest.mark.parametrize("read_s", [0.0, 0.6])
 def test_a_node_takes_over_a_round_its_live_closer_leaves_idle_reading_the_count_seldom(
-        make_lab, monkeypatch) -> None:
+        make_lab, monkeypatch, read_s: float) -> None:
     """A closer that beats but never closes (its rendezvous gone): the joiner decides on
     the round itself after the idle limit, and meanwhile reads the join count only every
     half of that limit (every waiting agent reads it: once a second at 1,024 agents was
-    1,024 requests a second while a round stayed open)."""
+    1,024 requests a second while a round stayed open). The limit follows the load: with
+    each count taking ``read_s`` (a starved store and agent), the closer gets
+    ``CLOSER_REQUESTS`` such requests' time more before it is taken over."""
     lab = make_lab(nnodes=(2, 3))  # our join does not fill the round: the closer decides
     lab.peer.beat("peer")
     lab.put_state(dataclasses.replace(closed_round(("peer",)), phase=Phase.OPEN, order=()))
@@ -674,16 +678,25 @@ def test_a_node_takes_over_a_round_its_live_closer_leaves_idle_reading_the_count
     count_joins = MemoryBackend.count_joins
 
     def counting(self: MemoryBackend, generation: str, round_: int) -> int:
+        lab.clock.now += read_s  # the fault injected: a slow read
         counted.append(lab.clock.now)
         return count_joins(self, generation, round_)
     monkeypatch.setattr(MemoryBackend, "count_joins", counting)
+    read: list[float] = []  # the joins are read only by whoever decides on the round
+    read_joins = MemoryBackend.read_joins
+
+    def reading(self: MemoryBackend, generation: str, round_: int) -> list[tuple[str, bytes]]:
+        read.append(lab.clock.now)
+        return read_joins(self, generation, round_)
+    monkeypatch.setattr(MemoryBackend, "read_joins", reading)
     began = lab.clock.now
     info = lab.handler.next_rendezvous()
     assert (info.rank, info.world_size) == (1, 2)
     assert lab.state().order == ("peer", ME)
-    # the idle limit at join position 2 of 3: (last call 1 s + heartbeat 3 s) * (1 + 2/3)
-    idle_limit = 4.0 * (1 + 2 / 3)
-    took_over = next(at for at in counted if at - began >= idle_limit)
-    assert took_over - began <= 1.5 * idle_limit + 1.0
-    waiting = counted[:counted.index(took_over) + 1]  # then it reads as the closer does
+    # the idle limit at join position 2 of 3: (last call 1 s + heartbeat 3 s, and the
+    # closer's requests as slow as ours) * (1 + 2/3)
+    idle_limit = (4.0 + CLOSER_REQUESTS * read_s) * (1 + 2 / 3)
+    took_over = read[0]
+    assert idle_limit <= took_over - began <= 1.5 * idle_limit + 1.0, (took_over, idle_limit)
+    waiting = [at for at in counted if at < took_over]  # then it reads as the closer does
     assert len(waiting) <= 3, waiting  # one a second was 7

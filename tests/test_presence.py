@@ -18,6 +18,7 @@ import pytest
 
 from elastic_ext.agent.control import AgentControl
 from elastic_ext.local.processes import wait_until
+from elastic_ext.rendezvous.agent.beater import STALLED_TIMEOUTS
 from elastic_ext.rendezvous.agent.events import EventLog
 from elastic_ext.rendezvous.agent.keeper import Keeper
 from elastic_ext.rendezvous.agent.presence import (
@@ -31,6 +32,7 @@ from elastic_ext.rendezvous.agent.presence import (
 )
 from elastic_ext.rendezvous.protocol.policy import Limits
 from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, RunState
+from elastic_ext.rendezvous.protocol.watcher import WATCHER_PATIENCE
 from elastic_ext.rendezvous.stores.wire import heartbeat_value, parse_beat, presence_port_of
 from tests.support.memory_backend import MemoryBackend, MemoryStore
 
@@ -440,3 +442,61 @@ def test_a_store_too_slow_to_answer_in_half_the_timeout_kills_nobody_then_judgin
         keeper.stop()
         for listener in listeners:
             listener.close()
+
+
+class StuckTicks(MemoryBackend):
+    """A store whose keeper reads take ``delay`` seconds (a watcher starved in its tick:
+    every heartbeat to read and judge, a round to write), and block while ``stuck``."""
+
+    delay = 0.0
+    stuck = threading.Event()
+
+    def keeper_read(self, *args: object, **kwargs: object) -> object:  # type: ignore[override]
+        time.sleep(self.delay)  # the fault injected
+        while self.stuck.is_set():
+            time.sleep(0.05)  # the fault injected: a tick that never ends
+        return super().keeper_read(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_watcher_slow_in_its_ticks_beats_on_time_and_one_stuck_in_a_tick_is_found_dead(
+        tmp_path: Path) -> None:
+    """Issue 43's cascade at 1,024 agents began with the watcher's own beat: written in its
+    tick, as late as its tick. Here its ticks take 2 s against a 1 s heartbeat timeout,
+    and the follower, which judges only the watcher, does not declare it dead in 4 s: the
+    beater beats apart from the tick. A watcher stuck in a tick stops beating after
+    ``STALLED_TIMEOUTS`` heartbeat timeouts and is then found dead."""
+    store = MemoryStore()
+    backend = StuckTicks(store)
+    StuckTicks.stuck = threading.Event()
+    members = {"me": NodeInfo("127.0.0.1", 1000), "f": NodeInfo("127.0.0.1", 1001)}
+    backend.set_state(RunState(generation="g", round=1, phase=Phase.CLOSED, members=members,
+                               order=("me", "f")).to_bytes())
+
+    def keeper(node: str, on: MemoryBackend) -> Keeper:
+        made = Keeper(on, node, interval=0.1, timeout=1.0, limits=Limits(2, 2, 1.0, None),
+                      control=AgentControl(tmp_path / f"ctl-{node}"),
+                      events=EventLog("run1", node, "127.0.0.1", None))
+        made.watch_round(("g", 1))
+        return made
+
+    watcher, follower = keeper("me", backend), keeper("f", MemoryBackend(store))
+    try:
+        watcher.start()
+        follower.start()
+        assert wait_until(lambda: "me" in follower.peer_silence(), timeout=2.0)
+        backend.delay = 2.0
+        deadline = time.monotonic() + 4.0
+        while time.monotonic() < deadline:
+            assert follower.dead_among({"me"}) == frozenset(), follower.peer_silence()
+            time.sleep(0.05)  # watching for a wrong verdict, not waiting for one
+        stuck_at = time.monotonic()
+        StuckTicks.stuck.set()
+        assert wait_until(lambda: follower.dead_among({"me"}) == {"me"}, timeout=10.0)
+        # the tick in progress (2 s), then STALLED_TIMEOUTS timeouts, the follower's
+        # patience with a watcher whose machine answers (``watcher.py``), a tick
+        assert time.monotonic() - stuck_at < 2.0 + (STALLED_TIMEOUTS + WATCHER_PATIENCE) \
+            * 1.0 + 1.0
+    finally:
+        StuckTicks.stuck.clear()
+        follower.stop()
+        watcher.stop()

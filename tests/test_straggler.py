@@ -133,6 +133,34 @@ def test_a_named_straggler_is_weighed_again_and_dropped_once_it_pays() -> None:
     assert judge.observe(later, 5.0) == []
 
 
+def test_a_slowed_step_seen_before_the_slow_nodes_own_pace_is_not_taken_as_the_baseline(
+        ) -> None:
+    """The others' step times (waiting for the slow one) can reach the watcher a heartbeat
+    before the slow node's own time does: no node looks slow at that tick, and the job's
+    step time has jumped. Taken as the baseline, dropping the node would look like a loss
+    (CI saw a gain of 0.78 so). A jump no node explains for ``straggler_for`` is the job's
+    new pace."""
+    judge = StragglerJudge(StragglerRules("drop", margin=1.5, for_s=1), min_nodes=2)
+    fast = Pace(0.10, 0.08)
+    judge.observe({"a": fast, "b": fast, "c": fast}, 0.0)
+    waiting = Pace(0.50, 0.07)  # a and b wait for c, whose heartbeat still says fast
+    judge.observe({"a": waiting, "b": waiting, "c": fast}, 1.0)
+    slow = {"a": waiting, "b": waiting, "c": Pace(0.50, 0.45)}
+    judge.observe(slow, 2.0)
+    [named] = judge.observe(slow, 3.0)
+    assert named.drop and named.gain == pytest.approx(10 / 3)  # (2 / 0.10) / (3 / 0.50)
+
+    everyone = StragglerJudge(StragglerRules("drop", margin=1.5, for_s=1), min_nodes=2)
+    everyone.observe({"a": fast, "b": fast, "c": fast}, 0.0)
+    slower = Pace(0.50, 0.40)  # the whole job slowed down (longer sequences, say)
+    everyone.observe({"a": slower, "b": slower, "c": slower}, 1.0)
+    everyone.observe({"a": slower, "b": slower, "c": slower}, 2.0)  # for straggler_for
+    late = {"a": slower, "b": slower, "c": Pace(0.60, 0.65)}
+    everyone.observe(late, 3.0)
+    [named] = everyone.observe(late, 4.0)
+    assert not named.drop and named.gain == pytest.approx(2 / 3)  # (2 / 0.50) / (3 / 0.50)
+
+
 def test_without_own_times_nobody_is_judged() -> None:
     """Plain step times cannot tell a straggler: under DDP every node has the slowest's."""
     judge = StragglerJudge(StragglerRules("drop", for_s=0), min_nodes=1)

@@ -9,7 +9,13 @@ from collections.abc import Iterable
 from elastic_ext.rendezvous.protocol.head import Head
 from elastic_ext.rendezvous.protocol.liveness import LEFT, Liveness, Verdict
 from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, RunState
-from elastic_ext.rendezvous.protocol.watcher import Judgement, Sighting, Watcher, held_nodes
+from elastic_ext.rendezvous.protocol.watcher import (
+    WATCHER_PATIENCE,
+    Judgement,
+    Sighting,
+    Watcher,
+    held_nodes,
+)
 
 TIMEOUT_S = 3.0
 
@@ -226,3 +232,28 @@ def test_half_still_or_a_small_job_is_judged_on_the_counters_alone() -> None:
         watcher, clock = make()
         judgement = many_still(watcher, clock, others, still, Connections(gone=still))
         assert judgement.dead == still and judgement.doubt is None, others
+
+
+def test_a_follower_spares_a_still_watcher_whose_machine_answers_for_two_timeouts() -> None:
+    """Issue 43: at 1,024 agents one follower whose clock saw the starved watcher's beat
+    3 s late ended the round for everyone. A still watcher whose machine answers a fresh
+    dial is spared until it has been still ``WATCHER_PATIENCE`` timeouts; one that does
+    not answer, one whose presence connection ended, or one that left, is dead on time."""
+    for answering, gone, beat, dead_after in (
+            (Connections(gone={"w"}), Connections(), b"1", WATCHER_PATIENCE * TIMEOUT_S),
+            (Connections(), Connections(), b"1", TIMEOUT_S),
+            (Connections(gone={"w"}), Connections(gone={"w"}), b"1", 0.0),
+            (Connections(gone={"w"}), Connections(), LEFT, 0.0)):
+        watcher, clock = make()
+        watcher.judge(following("w", {"w": b"1"}, None), Connections(), answering)
+        judged_at, doubts = None, set()
+        for _ in range(14):
+            clock.now += 0.5
+            judgement = watcher.judge(following("w", {"w": beat}, None), gone, answering)
+            doubts.add(judgement.doubt.watcher if judgement.doubt else None)
+            if judgement.dead:
+                judged_at = clock.now - 100.0
+                break
+        assert judged_at is not None and judged_at == max(0.5, dead_after), \
+            (answering.gone, gone.gone, beat, judged_at)
+        assert ("w" in doubts) == (dead_after > TIMEOUT_S)  # the keeper logs the spell

@@ -7,8 +7,9 @@ for the real stores as far as the contract goes; the real-store tests stay for t
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 
 from torch.distributed import HashStore, Store
@@ -59,12 +60,13 @@ class MemoryBackend(StoreBackend):
     """One run's keys in a :class:`MemoryStore`; tokens are revisions, as on etcd."""
 
     def __init__(self, store: MemoryStore, run_prefix: str = "/elastic-ext/run1/", *,
-                 transient: bool = True, left: set[str] | None = None) -> None:
+                 transient: bool = True, left: set[str] | None = None,
+                 beats: Iterator[int] | None = None) -> None:
         self.store = store
         self._left: set[str] = set() if left is None else left  # shared with clones
         self._prefix = run_prefix
         self._transient = transient
-        self._beats = 0
+        self._beats = itertools.count(1) if beats is None else beats  # shared with clones
 
     @property
     def name(self) -> str:
@@ -190,9 +192,9 @@ class MemoryBackend(StoreBackend):
 
     def beat(self, node: str, presence_port: int | None = None, pace: Pace | None = None
              ) -> None:
-        self._beats += 1
+        count = next(self._beats)
         if node not in self._left:
-            self._put_beat(node, heartbeat_value(self._beats, presence_port, pace))
+            self._put_beat(node, heartbeat_value(count, presence_port, pace))
 
     def _put_beat(self, node: str, value: bytes) -> None:
         with self.store.lock:
@@ -254,4 +256,4 @@ class MemoryBackend(StoreBackend):
 
     def clone(self) -> MemoryBackend:
         return MemoryBackend(self.store, self._prefix, transient=self._transient,
-                             left=self._left)
+                             left=self._left, beats=self._beats)

@@ -30,6 +30,12 @@ WAKE_S = 1.0
 """How long a node in an open round it does not close waits on the state before it looks
 whether the closer is still alive (the wait ends at once when the state changes)."""
 
+CLOSER_REQUESTS = 10
+"""About how many store requests a closer's decision on a round takes (read the joins,
+probe the nodes it waits for, write the state, the seats), each, on a starved machine,
+as slow as the waiter's own: the idle limit grows by that many of the slowest join count
+the waiter read (``HeadPath.wait_for_the_round``)."""
+
 WAITED = "waited"
 """``HeadPath.step``: it waited for the round to move; step again."""
 
@@ -117,16 +123,20 @@ class HeadPath:
         judged dead, or the round stops moving (no new join) for longer than its closer
         should take, when this node takes over (``Memory.take_over``); a watch on etcd, not
         a poll. The idle limit grows with this node's join position, so that the earliest
-        joiner takes over first rather than everyone at once. The join count, a request, is
-        read every half of that limit: every waiting agent reads it (once a second at 1,024
-        agents was 1,024 requests a second for as long as the round stayed open).
+        joiner takes over first rather than everyone at once, and with the load: by
+        ``CLOSER_REQUESTS`` times the slowest join count read meanwhile, so that a closer
+        starved with its store (1,024 agents on two cores: 22 live closers' round 1 was
+        taken over, each take-over reading the whole state) is not taken over while it
+        works. The join count, a request, is read every half of that limit: every waiting
+        agent reads it (once a second at 1,024 agents was 1,024 requests a second for as
+        long as the round stayed open).
 
         Raises:
             RendezvousTimeoutError: ``deadline`` passed (``timeout_message``).
         """
         timeouts = self._settings.timeouts
-        idle_limit = (timeouts.last_call + timeouts.heartbeat) \
-            * (1 + min(1.0, self.position / max(1, self._max_nodes)))
+        spread = 1 + min(1.0, self.position / max(1, self._max_nodes))
+        idle_limit = (timeouts.last_call + timeouts.heartbeat) * spread
         joins = self._count if self.round == key else 0
         moved_at = counted_at = self._clock.monotonic()
         while self._clock.monotonic() < deadline:
@@ -136,14 +146,16 @@ class HeadPath:
             now = self._clock.monotonic()
             if now - counted_at < idle_limit / 2:
                 continue
-            counted_at = now
             count = self._backend.count_joins(*key)
+            counted_at = self._clock.monotonic()
+            idle_limit = max(idle_limit, (timeouts.last_call + timeouts.heartbeat
+                                          + CLOSER_REQUESTS * (counted_at - now)) * spread)
             if count != joins:
                 joins, moved_at = count, now
-            elif now - moved_at >= idle_limit:
-                logger.info("etcd-ext: round %d is still open %.1fs after its last join; "
-                            "deciding on it instead of its closer %s", key[1],
-                            now - moved_at, closer)
+            elif counted_at - moved_at >= idle_limit:
+                logger.info("etcd-ext: round %d is still open %.1fs after its last join "
+                            "(limit %.1fs); deciding on it instead of its closer %s", key[1],
+                            counted_at - moved_at, idle_limit, closer)
                 self._memory.take_over = key
                 return
         raise RendezvousTimeoutError(timeout_message)

@@ -15,6 +15,7 @@ to each watched node's presence port and reads a killed agent's end from it (``p
 It also carries this node's preemption notice to the run's state and settles it with
 the other nodes' (``drain.py``), passes a whole-job stop on to the workers, puts its
 workers' pace in its heartbeat and, as the watcher, judges the others' (``stragglers.py``).
+While it judges everyone it also beats on a thread of its own (``beater.py``).
 
 Decisions apart from I/O, as in torch's ``dynamic_rendezvous.py``: the keeper reads the
 store, asks the pure deciders (``watcher.py`` judges, ``pressure.py`` weighs the round;
@@ -29,6 +30,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from elastic_ext.agent.control import AgentControl
+from elastic_ext.rendezvous.agent.beater import Beater
 from elastic_ext.rendezvous.agent.events import EventKind, EventLog
 from elastic_ext.rendezvous.agent.hung_workers import stop_hung_workers
 from elastic_ext.rendezvous.agent.notices import NoticeRelay
@@ -51,7 +53,13 @@ from elastic_ext.rendezvous.protocol.policy import Limits
 from elastic_ext.rendezvous.protocol.pressure import Action, Pressure, RoundPressure, TellLost
 from elastic_ext.rendezvous.protocol.state import RunState
 from elastic_ext.rendezvous.protocol.straggler import StragglerRules
-from elastic_ext.rendezvous.protocol.watcher import Doubt, Judgement, Sighting, Watcher
+from elastic_ext.rendezvous.protocol.watcher import (
+    WATCHER_PATIENCE,
+    Doubt,
+    Judgement,
+    Sighting,
+    Watcher,
+)
 from elastic_ext.rendezvous.settings import Settings
 from elastic_ext.rendezvous.stores.contract import StoreBackend
 
@@ -96,6 +104,8 @@ class Keeper:
         self._stragglers = StragglerWatch(backend, node, straggler or StragglerRules(),
                                           limits, events, clock)
         self.pace: Pace | None = None  # this node's workers' pace as the last tick read it
+        self._beater = Beater(backend.clone, node, interval=interval, timeout=timeout, clock=clock,
+                              presence_port=self._presence.port, pace=lambda: self.pace)
         self._doubting: Doubt | None = None  # the doubt of a spell in progress
 
     @classmethod
@@ -203,6 +213,7 @@ class Keeper:
     # -- the thread ---------------------------------------------------------------------
     def start(self) -> None:
         self._backend.on_state_change(self._wake.set)  # act on a change at once, not next tick
+        self._beater.allow()
         self._thread = threading.Thread(target=self._run, name="etcd-ext-keeper", daemon=True)
         self._thread.start()
         self._notices.start()
@@ -210,6 +221,7 @@ class Keeper:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+        self._beater.stop()
         if self._thread is not None:
             self._thread.join(timeout=5 * self._interval + 5)
             if self._thread.is_alive():  # leaving revokes its heartbeat (etcd's backend.leave)
@@ -275,6 +287,7 @@ class Keeper:
         view = self._view
         watcher = view.head.closer if view.head else None
         judging = view.judges(self._watcher.dead)
+        self._beater.ticked(wanted=judging)  # the watcher's beat must not wait on its work
         nodes = self._watcher.nodes(view.state(read=False) if judging else None, also)
         observed = sorted(nodes) if judging else [watcher] if watcher else []
         read = self._backend.keeper_read(self._node, self._presence.port, observed, due,
@@ -326,14 +339,19 @@ class Keeper:
         """Log once when a spell of doubt begins (``watcher.Doubt``) and once when it ends."""
         if (doubt is None) == (self._doubting is None):
             return
-        if doubt is not None:
+        if doubt is not None and doubt.watcher is not None:
+            logger.warning(
+                "etcd-ext: the watcher %s went still but its machine answers on its presence "
+                "port: it is likely busy or starved; waiting up to %g heartbeat timeouts "
+                "before declaring it dead", doubt.watcher, WATCHER_PATIENCE)
+        elif doubt is not None:
             logger.warning(
                 "etcd-ext: %d of the %d nodes watched went still at once and %d of them "
                 "answer on their presence port: this judge or the store is likely the slow "
                 "one; waiting instead of declaring them dead", doubt.stale, doubt.watched,
                 doubt.spared)
         else:
-            logger.warning("etcd-ext: judging again: most watched nodes beat")
+            logger.warning("etcd-ext: judging again: the nodes spared beat or were judged")
         self._doubting = doubt
 
     def _weigh(self, seen: Sighting, dead: frozenset[str], watched: tuple[str, int] | None

@@ -131,6 +131,15 @@ class Liveness:
         seen = self._seen.get(node)
         return seen is not None and (seen.value == LEFT or seen.expired)
 
+    @property
+    def timeout(self) -> float:
+        return self._timeout
+
+    def still_for(self, node: str) -> float:
+        """Seconds since ``node``'s heartbeat last changed, on our clock (0 if not seen)."""
+        seen = self._seen.get(node)
+        return 0.0 if seen is None else self._clock() - seen.changed_at
+
     def moved(self, node: str) -> bool:
         """Whether ``node``'s heartbeat changed since we started watching it."""
         seen = self._seen.get(node)

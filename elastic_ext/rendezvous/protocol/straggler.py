@@ -88,6 +88,7 @@ class StragglerJudge:
     _named: set[str] = field(default_factory=set)  # named in their current slow spell
     _dropped: set[str] = field(default_factory=set)  # told to leave
     _baseline: float | None = None  # the round's step time while no node was slow
+    _rise: tuple[float, float] | None = None  # a step time above the margin, and since when
 
     def observe(self, paces: Mapping[str, Pace | None], now: float) -> list[Slow]:
         """The nodes newly named slow among a round's ``paces`` (None: not known yet), each
@@ -100,8 +101,10 @@ class StragglerJudge:
             self._named.clear()
             return []
         slow = self.slow_now(known)
-        if not slow:
-            self._baseline = statistics.median(p.step_s for p in known.values())
+        if slow:
+            self._rise = None
+        else:
+            self._note_baseline(statistics.median(p.step_s for p in known.values()), now)
         named: list[Slow] = []
         for node in sorted(set(known) - slow):
             self._since.pop(node, None)
@@ -129,6 +132,20 @@ class StragglerJudge:
             self._since.pop(gone)
             self._named.discard(gone)
         return named
+
+    def _note_baseline(self, step_s: float, now: float) -> None:
+        """Take ``step_s`` as the step time without a straggler, unless it jumped by more
+        than the margin: the others' paces (waiting for the slow one in the all-reduce)
+        can reach the store a heartbeat before the slow node's own, and taking the slowed
+        step time then as the baseline would make dropping it look like a loss. A jump that
+        no node explains for ``for_s`` is the whole job's new pace."""
+        if self._baseline is None or step_s <= self.rules.margin * self._baseline:
+            self._baseline, self._rise = step_s, None
+            return
+        if self._rise is None:
+            self._rise = (step_s, now)
+        elif now - self._rise[1] >= self.rules.for_s:
+            self._baseline, self._rise = step_s, None
 
     def slow_now(self, paces: Mapping[str, Pace | None]) -> set[str]:
         """The nodes slower than the margin at this moment, however briefly (for

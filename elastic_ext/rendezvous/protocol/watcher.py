@@ -16,6 +16,14 @@ the kernel answers, so the machine is up) until they beat or their agent's port 
 A machine that fell off the network does not answer and is judged as before; an agent
 that died closes its port and is gone at once. What this costs: more than half of a large
 job's agents frozen at once (their machines up) are found only when they are killed.
+
+A follower is patient with the watcher. The watcher does the job's heaviest work (every
+heartbeat, and in a round being formed its agent reads every join and writes the round),
+and a follower judges only it: one follower's clock alone used to end the round of 1,024
+nodes when a starved watcher's beat came late. A still watcher whose machine answers a
+fresh dial is spared until it has been still ``WATCHER_PATIENCE`` heartbeat timeouts. A
+killed watcher closes its port (gone at once), a lost machine does not answer; what this
+costs: a frozen watcher whose machine is up is found after 2 timeouts instead of 1.
 """
 
 from __future__ import annotations
@@ -38,6 +46,9 @@ MANY_WATCHED = 8
 """The fewest watched nodes for which "more than half still at once" reads as the judge's
 (or the store's) slowness: in a smaller job half is one or two nodes, as likely dead."""
 
+WATCHER_PATIENCE = 2.0
+"""Heartbeat timeouts a follower waits for a still watcher whose machine answers."""
+
 
 def nobody_answers(nodes: Iterable[str]) -> frozenset[str]:
     """No machine known to answer: a judge in doubt spares nobody (the default)."""
@@ -52,6 +63,7 @@ class Doubt:
     stale: int
     watched: int
     spared: int
+    watcher: str | None = None  # a follower spared the watcher (``WATCHER_PATIENCE``)
 
 
 def watcher_verdict(by: str, state: RunState, dead: frozenset[str], left: frozenset[str]
@@ -162,8 +174,10 @@ class Watcher:
         and our judgement of the watcher. A node that becomes the watcher keeps the last
         verdict's dead until they beat."""
         beats, verdict, head = seen.beats, seen.verdict, seen.head
-        own = self._unless_doubtful(self.liveness.dead_among(beats), beats, answering) \
-            | gone_among(held_nodes(self._me, seen.watcher, beats))
+        still = self.liveness.dead_among(beats)
+        spared = self._unless_doubtful(still, beats, answering) if seen.judging \
+            else self._patient_with_the_watcher(still, seen.watcher, answering)
+        own = spared | gone_among(held_nodes(self._me, seen.watcher, beats))
         left = {n for n in own if beats.get(n) == LEFT}
         if seen.judging:
             inherited = {n for n in self._inherited & seen.nodes
@@ -188,6 +202,19 @@ class Watcher:
         if spared:
             self._doubt = Doubt(len(still), len(watched), len(spared))
         return dead - spared
+
+
+    def _patient_with_the_watcher(self, dead: frozenset[str], watcher: str | None,
+                                  answering: Answering) -> frozenset[str]:
+        """``dead`` less the watcher while it has been still fewer than
+        ``WATCHER_PATIENCE`` timeouts and its machine answers (the module's docstring)."""
+        if watcher is None or watcher not in dead or self.liveness.certain(watcher) \
+                or self.liveness.still_for(watcher) >= WATCHER_PATIENCE * self.liveness.timeout:
+            return dead
+        if watcher not in answering([watcher]):
+            return dead
+        self._doubt = Doubt(1, 1, 1, watcher)
+        return dead - {watcher}
 
 
 def _death(node: str, left: bool, seen: Sighting) -> Death:

@@ -16,6 +16,7 @@ store.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -109,7 +110,8 @@ class C10dBackend(StoreBackend):
     """The run's keys on the embedded TCPStore; see :class:`StoreBackend` for the contract."""
 
     def __init__(self, settings: Settings, store: TCPStore, *, hosts_store: bool = False,
-                 left: set[str] | None = None, feed: SharedWriteFeed | None = None) -> None:
+                 left: set[str] | None = None, feed: SharedWriteFeed | None = None,
+                 beats: Iterator[int] | None = None) -> None:
         self._settings = settings
         # Nodes this agent marked left, shared with the clones: a late heartbeat (a keeper
         # thread that outlived its stop) must not overwrite LEFT.
@@ -118,7 +120,9 @@ class C10dBackend(StoreBackend):
         self._prefixed = PrefixStore(settings.run_prefix, store)
         self._store = cast(ByteStore, self._prefixed)
         self._hosts_store = hosts_store
-        self._beats = 0
+        # The heartbeat counter, shared with the clones: a keeper's beater beats on a clone
+        # (``agent/beater.py``), and the counter must move at every beat whoever writes it.
+        self._beats = itertools.count(1) if beats is None else beats
         self._seq_at: tuple[bytes, int] = (b"", -1)  # a state read and the write count before it
         self._key_root = settings.run_prefix + "/"  # this run's keys as the TCPStore names them
         self._feed = feed or SharedWriteFeed()  # started when first waited on; clones share it
@@ -287,8 +291,7 @@ class C10dBackend(StoreBackend):
 
     def beat(self, node: str, presence_port: int | None = None, pace: Pace | None = None
              ) -> None:
-        self._beats += 1
-        value = heartbeat_value(self._beats, presence_port, pace)
+        value = heartbeat_value(next(self._beats), presence_port, pace)
         if node not in self._left:
             self._run("beat", lambda: self._store.set(f"hb/{node}", value))
 
@@ -383,4 +386,5 @@ class C10dBackend(StoreBackend):
             client = TCPStore(endpoint.host, self._tcp.port, is_master=False,
                               wait_for_workers=False, multi_tenant=True,
                               timeout=timedelta(seconds=self._settings.timeouts.connect))
-        return C10dBackend(self._settings, client, left=self._left, feed=self._feed)
+        return C10dBackend(self._settings, client, left=self._left, feed=self._feed,
+                           beats=self._beats)
