@@ -30,6 +30,7 @@ from elastic_ext.rendezvous.errors import (
     RestartBudgetExhaustedError,
     StoreUnavailableError,
 )
+from elastic_ext.rendezvous.protocol.joins import JoinEntry
 from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, Reason, Status
 from elastic_ext.worker.control import (
     peer_lost,
@@ -659,6 +660,44 @@ def test_rank_0_drops_an_old_rounds_keys_only_a_grace_after_the_round_completed(
     lab.clock.now += OLD_ROUND_GRACE_S
     lab.handler.next_rendezvous()
     assert lab.state().round == 4 and rounds_kept() == [3, 4]
+
+
+@pytest.mark.parametrize("joined_before, turn", [((), 0), (("other",), 1)])
+def test_a_dead_closer_is_replaced_by_one_joiner_at_a_time_in_turns_by_join_position(
+        make_lab, monkeypatch, joined_before: tuple[str, ...], turn: int) -> None:
+    """Issue 43's cascade: when the closer of an open round of 1,024 was judged dead, every
+    joiner read every heartbeat, every join and the whole round at once. Now the next
+    joiner acts (turn 0) and the others only a heartbeat timeout a turn later
+    (``joins.replacement_turn``), judging only the closer meanwhile; here at join position
+    2 and 3."""
+    lab = make_lab(nnodes=(1, 3))
+    alive = {"closer", *joined_before}
+    for node in alive:
+        lab.peer.beat(node)
+    lab.put_state(dataclasses.replace(closed_round(("closer",)), phase=Phase.OPEN, order=()))
+    for node in joined_before:
+        lab.peer.join("gen0", 1, node, JoinEntry(NodeInfo("127.0.0.1", 31000)).to_bytes())
+    dies_at = lab.clock.now + 1.0
+
+    def tick() -> None:
+        if lab.clock.now >= dies_at:
+            alive.discard("closer")
+        for node in alive:
+            lab.peer.beat(node)
+        lab.keeper.tick()
+    lab.clock.on_sleep.append(tick)
+    read: list[float] = []
+    read_joins = MemoryBackend.read_joins
+
+    def reading(self: MemoryBackend, generation: str, round_: int) -> list[tuple[str, bytes]]:
+        read.append(lab.clock.now)
+        return read_joins(self, generation, round_)
+    monkeypatch.setattr(MemoryBackend, "read_joins", reading)
+    info = lab.handler.next_rendezvous()
+    assert "closer" not in lab.state().members and info.world_size == 1 + len(joined_before)
+    judged_dead = dies_at + 3.0  # the heartbeat timeout
+    acted = judged_dead + turn * 3.0
+    assert acted <= read[0] <= acted + 1.0, (read[0] - dies_at, turn)
 
 
 @pytest.mark.parametrize("read_s", [0.0, 0.6])

@@ -16,12 +16,15 @@ from elastic_ext.agent.control import AgentControl
 from elastic_ext.rendezvous.agent.events import EventLog
 from elastic_ext.rendezvous.agent.handler import EtcdExtRendezvousHandler
 from elastic_ext.rendezvous.agent.keeper import Keeper
+from elastic_ext.rendezvous.agent.run_view import RunView
 from elastic_ext.rendezvous.errors import CorruptStateError
+from elastic_ext.rendezvous.protocol.head import Head
 from elastic_ext.rendezvous.protocol.joins import (
     JoinEntry,
     closer_of,
     is_own_join,
     removed_members,
+    replacement_turn,
     with_joins,
 )
 from elastic_ext.rendezvous.protocol.liveness import Verdict
@@ -546,3 +549,29 @@ def test_a_large_state_is_stored_compressed_and_a_damaged_or_huge_one_refused() 
                 b"elastic-ext/1z\n" + zlib.compress(b" " * (2 << 20))):
         with pytest.raises(CorruptStateError):
             unwrap_state(raw)
+
+
+def test_a_dead_closers_joiners_act_in_turns_that_double() -> None:
+    """``replacement_turn``: the next joiner at once, then turns of 1, 2, 2, 4 x 3, ...
+    joiners: at most 2^(k-1) act at turn k (1,024 joiners: 11 turns, not 1,023 at once);
+    a place not known acts at once, as before."""
+    turns = [replacement_turn(p) for p in range(0, 11)]
+    assert turns == [0, 0, 0, 1, 2, 2, 3, 3, 3, 3, 4]
+    assert replacement_turn(1024) == 10
+
+
+def test_in_an_open_round_only_the_joiner_whose_turn_came_judges_everyone() -> None:
+    """``RunView.judges``: the watcher of an open round judged dead makes only the joiner
+    replacing it judge everyone; in a closed round, a node not in it judges everyone (a
+    requeued job finding its old agents gone) and a member does not (its round ends)."""
+    view = RunView(MemoryBackend(MemoryStore()), "me")
+    members = {n: NodeInfo("127.0.0.1", 1000 + i) for i, n in enumerate(("w", "me"))}
+    view.head = Head.of(RunState(generation="g", round=2, phase=Phase.OPEN, members=members))
+    dead = frozenset({"w"})
+    assert view.judges(dead, replacing=True) and not view.judges(dead, replacing=False)
+    assert not view.judges(frozenset(), replacing=True)
+    view.head = Head.of(RunState(generation="g", round=2, phase=Phase.CLOSED, members=members,
+                                 order=("w", "me")))
+    assert view.judges(dead, replacing=False)
+    view.member_of = ("g", 2)
+    assert not view.judges(dead, replacing=True)

@@ -21,6 +21,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
 from elastic_ext.rendezvous.agent.session_context import Memory, RunAccess
 from elastic_ext.rendezvous.protocol.head import Head, Seat
+from elastic_ext.rendezvous.protocol.joins import replacement_turn
 from elastic_ext.rendezvous.protocol.state import Phase, Status
 from elastic_ext.rendezvous.stores.contract import Token
 
@@ -41,9 +42,12 @@ WAITED = "waited"
 
 
 class DeathJudge(Protocol):
-    """The keeper, as the head path asks it: whether a round's closer is judged dead."""
+    """The keeper, as the head path asks it: whether this node acts for a round's closer
+    now (judged dead, and this node's turn came), told where this node joined."""
 
-    def dead_among(self, nodes: set[str]) -> frozenset[str]: ...
+    def replaces(self, closer: str) -> bool: ...
+
+    def place(self, round_: tuple[str, int], position: int) -> None: ...
 
 
 class HeadPath:
@@ -68,6 +72,7 @@ class HeadPath:
         self._count = self._backend.join(generation, round_, self._node, entry)
         self.position = in_state + self._count
         self.round = (generation, round_)
+        self._keeper.place(self.round, self.position)
         logger.debug("etcd-ext: joined open round %d as number %d", round_, self.position)
 
     def step(self, entry: bytes, deadline: float, timeout_message: str
@@ -95,7 +100,7 @@ class HeadPath:
             return (seat, head) if seat is not None and seat.fits(head) else None
         closer = head.closer
         if closer is None or closer == self._node or self._memory.take_over == key \
-                or self._keeper.dead_among({closer}):
+                or self._keeper.replaces(closer):
             return None
         if self.round != key:
             if head.size >= self._max_nodes:
@@ -119,11 +124,12 @@ class HeadPath:
 
     def wait_for_the_round(self, key: tuple[str, int], closer: str | None, token: Token | None,
                            deadline: float, timeout_message: str) -> None:
-        """Wait, without reading the round's joins, until the state changes, the closer is
-        judged dead, or the round stops moving (no new join) for longer than its closer
-        should take, when this node takes over (``Memory.take_over``); a watch on etcd, not
-        a poll. The idle limit grows with this node's join position, so that the earliest
-        joiner takes over first rather than everyone at once, and with the load: by
+        """Wait, without reading the round's joins, until the state changes, this node's
+        turn to act for a dead closer came (``Keeper.replaces``), or the round stops moving
+        (no new join) for longer than its closer should take, when this node takes over
+        (``Memory.take_over``); a watch on etcd, not a poll. The idle limit grows with this
+        node's join position, so that the earliest joiner takes over first rather than
+        everyone at once (and by its turn, ``joins.replacement_turn``), and with the load: by
         ``CLOSER_REQUESTS`` times the slowest join count read meanwhile, so that a closer
         starved with its store (1,024 agents on two cores: 22 live closers' round 1 was
         taken over, each take-over reading the whole state) is not taken over while it
@@ -136,12 +142,14 @@ class HeadPath:
         """
         timeouts = self._settings.timeouts
         spread = 1 + min(1.0, self.position / max(1, self._max_nodes))
-        idle_limit = (timeouts.last_call + timeouts.heartbeat) * spread
+        turn = replacement_turn(self.position) * timeouts.heartbeat if self.round == key \
+            else 0.0
+        idle_limit = (timeouts.last_call + timeouts.heartbeat) * spread + turn
         joins = self._count if self.round == key else 0
         moved_at = counted_at = self._clock.monotonic()
         while self._clock.monotonic() < deadline:
             if self._backend.wait_for_state(token, WAKE_S, self._clock) \
-                    or (closer is not None and self._keeper.dead_among({closer})):
+                    or (closer is not None and self._keeper.replaces(closer)):
                 return
             now = self._clock.monotonic()
             if now - counted_at < idle_limit / 2:
@@ -149,7 +157,8 @@ class HeadPath:
             count = self._backend.count_joins(*key)
             counted_at = self._clock.monotonic()
             idle_limit = max(idle_limit, (timeouts.last_call + timeouts.heartbeat
-                                          + CLOSER_REQUESTS * (counted_at - now)) * spread)
+                                          + CLOSER_REQUESTS * (counted_at - now)) * spread
+                             + turn)
             if count != joins:
                 joins, moved_at = count, now
             elif counted_at - moved_at >= idle_limit:

@@ -226,7 +226,7 @@ class JoinSession:
         if state is None or state.phase is not Phase.OPEN or state.status is not Status.ACTIVE:
             return False
         closer = closer_of(state)
-        if closer is None or closer == self._node or self._keeper.dead_among({closer}) \
+        if closer is None or closer == self._node or self._keeper.replaces(closer) \
                 or self._memory.take_over == (state.generation, state.round):
             return True
         return self._path.round == (state.generation, state.round) \

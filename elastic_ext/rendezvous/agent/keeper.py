@@ -47,19 +47,14 @@ from elastic_ext.rendezvous.agent.stragglers import StragglerWatch
 from elastic_ext.rendezvous.errors import CorruptStateError
 from elastic_ext.rendezvous.protocol.clock import SYSTEM_CLOCK, Clock
 from elastic_ext.rendezvous.protocol.hang import HangRules
+from elastic_ext.rendezvous.protocol.joins import Succession
 from elastic_ext.rendezvous.protocol.liveness import Liveness, Verdict
 from elastic_ext.rendezvous.protocol.pace import Pace, node_pace
 from elastic_ext.rendezvous.protocol.policy import Limits
 from elastic_ext.rendezvous.protocol.pressure import Action, Pressure, RoundPressure, TellLost
 from elastic_ext.rendezvous.protocol.state import RunState
 from elastic_ext.rendezvous.protocol.straggler import StragglerRules
-from elastic_ext.rendezvous.protocol.watcher import (
-    WATCHER_PATIENCE,
-    Doubt,
-    Judgement,
-    Sighting,
-    Watcher,
-)
+from elastic_ext.rendezvous.protocol.watcher import Doubt, Judgement, Sighting, Watcher
 from elastic_ext.rendezvous.settings import Settings
 from elastic_ext.rendezvous.stores.contract import StoreBackend
 
@@ -107,6 +102,7 @@ class Keeper:
         self._beater = Beater(backend.clone, node, interval=interval, timeout=timeout, clock=clock,
                               presence_port=self._presence.port, pace=lambda: self.pace)
         self._doubting: Doubt | None = None  # the doubt of a spell in progress
+        self._succession = Succession(clock.monotonic, timeout)  # who replaces a dead closer
 
     @classmethod
     def for_settings(cls, backend: StoreBackend, node: str, settings: Settings, *,
@@ -130,6 +126,16 @@ class Keeper:
         that watches everyone: ``liveness.Verdict``)."""
         with self._lock:
             return self._watcher.dead & (nodes - {self._node})
+
+    def place(self, round_: tuple[str, int], position: int) -> None:
+        """This node joined the open round ``round_`` at ``position`` (``HeadPath.join``)."""
+        with self._lock:
+            self._succession.place = (round_, position)
+
+    def replaces(self, closer: str) -> bool:
+        """Whether this node acts for ``closer`` of the open round now (``Succession``)."""
+        with self._lock:
+            return self._succession.replaces(closer, self._view.head)
 
     def watch_also(self, nodes: Iterable[str]) -> None:
         """Nodes to judge beyond the state's (an open round's joiners, which only the
@@ -286,7 +292,9 @@ class Keeper:
         self._presence.drain()
         view = self._view
         watcher = view.head.closer if view.head else None
-        judging = view.judges(self._watcher.dead)
+        with self._lock:
+            replacing = self._succession.replaces(watcher, view.head)
+        judging = view.judges(self._watcher.dead, replacing)
         self._beater.ticked(wanted=judging)  # the watcher's beat must not wait on its work
         nodes = self._watcher.nodes(view.state(read=False) if judging else None, also)
         observed = sorted(nodes) if judging else [watcher] if watcher else []
@@ -296,7 +304,7 @@ class Keeper:
         token = view.token
         # The whole state only for a node that judges everyone (it names them), now or
         # from this tick on: the others follow the head, a few bytes (``head.py``).
-        state = view.state(read=judging or view.judges(self._watcher.dead))
+        state = view.state(read=judging or view.judges(self._watcher.dead, replacing))
         seen = Sighting(view.head, watcher, judging, nodes, read.beats,
                         Verdict.from_bytes(read.verdict), state)
         return seen, token, fresh
@@ -330,6 +338,7 @@ class Keeper:
             seen, lambda nodes: self._held.gone_among(self._book.targets(nodes)),
             lambda nodes: self._answers.answering(self._book.targets(nodes)))
         self._tell_doubt(judgement.doubt)
+        self._succession.judged(judgement.dead)
         for death in judgement.to_report:
             self._events.emit(EventKind.NODE_LEFT if death.left else EventKind.NODE_DEAD,
                               death.message, peer=death.node)
@@ -339,17 +348,8 @@ class Keeper:
         """Log once when a spell of doubt begins (``watcher.Doubt``) and once when it ends."""
         if (doubt is None) == (self._doubting is None):
             return
-        if doubt is not None and doubt.watcher is not None:
-            logger.warning(
-                "etcd-ext: the watcher %s went still but its machine answers on its presence "
-                "port: it is likely busy or starved; waiting up to %g heartbeat timeouts "
-                "before declaring it dead", doubt.watcher, WATCHER_PATIENCE)
-        elif doubt is not None:
-            logger.warning(
-                "etcd-ext: %d of the %d nodes watched went still at once and %d of them "
-                "answer on their presence port: this judge or the store is likely the slow "
-                "one; waiting instead of declaring them dead", doubt.stale, doubt.watched,
-                doubt.spared)
+        if doubt is not None:
+            logger.warning("etcd-ext: %s", doubt.message)
         else:
             logger.warning("etcd-ext: judging again: the nodes spared beat or were judged")
         self._doubting = doubt

@@ -77,15 +77,17 @@ class RunView:
             if head.closer is not None and head.closer_info is not None else {}
         return {*head.waiting, *infos}, infos
 
-    def judges(self, dead: frozenset[str]) -> bool:
+    def judges(self, dead: frozenset[str], replacing: bool = True) -> bool:
         """Whether this keeper judges everyone: it is the watcher, or the watcher is dead
         and this node is not in its round (a requeued job finding its old agents gone; a
-        round's members need not: its end ends their round)."""
+        round's members need not: its end ends their round). In an open round only the
+        joiner whose turn came (``replacing``: ``joins.replacement_turn``) does."""
         head = self.head
         watcher = head.closer if head else None
         return watcher is None or watcher == self._node or (
-            watcher in dead and (head is None or head.phase is Phase.OPEN
-                                 or (head.generation, head.round) != self.member_of))
+            watcher in dead and (head is None or (head.phase is Phase.OPEN and replacing)
+                                 or (head.phase is not Phase.OPEN
+                                     and (head.generation, head.round) != self.member_of)))
 
     def lost_of(self, round_: tuple[str, int], dead: frozenset[str],
                 verdict: Verdict | None) -> frozenset[str]:

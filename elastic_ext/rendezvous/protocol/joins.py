@@ -15,9 +15,10 @@ while the round is open, rank 0 while it runs. Everything here is pure.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from elastic_ext.rendezvous.protocol.head import Head
 from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, RunState, Status
 
 MAX_ENTRY_BYTES = 64 * 1024
@@ -68,6 +69,42 @@ def closer_of(state: RunState | None) -> str | None:
     if state.phase is Phase.CLOSED:
         return state.order[0] if state.order else None
     return next(iter(state.members), None)
+
+
+def replacement_turn(position: int) -> int:
+    """The turn a joiner at ``position`` of an open round (1: the closer; 0: not known)
+    takes to act for a closer that died or left the round idle: 0 for the next joiner (and
+    for a place not known), then 1, 2, 2, 3, 3, 3, 3, 4, ...: at most 2^(k-1) joiners act
+    at turn k. Everyone acting at once was the cascade of issue 43 (1,023 agents reading
+    every heartbeat, every join and the whole round when the closer of 1,024 was judged
+    dead); one turn is a heartbeat timeout, so a successor that died too costs one more."""
+    return max(0, position - 2).bit_length()
+
+
+class Succession:
+    """When this node acts for a dead closer of the open round it joined: once the closer
+    was judged dead ``replacement_turn`` heartbeat timeouts ago (``Keeper.replaces``)."""
+
+    def __init__(self, clock: Callable[[], float], timeout: float) -> None:
+        self._clock = clock
+        self._timeout = timeout
+        self.place: tuple[tuple[str, int] | None, int] = (None, 0)  # open round, position
+        self._dead_since: dict[str, float] = {}  # when each node now dead was judged so
+
+    def judged(self, dead: frozenset[str]) -> None:
+        """The keeper's judgement at a tick: who is dead now."""
+        now = self._clock()
+        self._dead_since = {n: self._dead_since.get(n, now) for n in dead}
+
+    def replaces(self, closer: str | None, head: Head | None) -> bool:
+        """Whether this node acts for ``closer`` now: dead, and this node's turn came (its
+        place counts in the round ``head`` names only; elsewhere it acts at once)."""
+        if closer is None or closer not in self._dead_since:
+            return False
+        round_, position = self.place
+        turn = replacement_turn(position) \
+            if head is not None and round_ == (head.generation, head.round) else 0
+        return self._clock() - self._dead_since[closer] >= turn * self._timeout
 
 
 def with_joins(state: RunState, joins: Sequence[tuple[str, bytes]], max_nodes: int

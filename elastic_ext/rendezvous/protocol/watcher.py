@@ -65,6 +65,17 @@ class Doubt:
     spared: int
     watcher: str | None = None  # a follower spared the watcher (``WATCHER_PATIENCE``)
 
+    @property
+    def message(self) -> str:
+        """What the keeper logs when a spell of doubt begins."""
+        if self.watcher is not None:
+            return (f"the watcher {self.watcher} went still but its machine answers on its "
+                    f"presence port: it is likely busy or starved; waiting up to "
+                    f"{WATCHER_PATIENCE:g} heartbeat timeouts before declaring it dead")
+        return (f"{self.stale} of the {self.watched} nodes watched went still at once and "
+                f"{self.spared} of them answer on their presence port: this judge or the "
+                f"store is likely the slow one; waiting instead of declaring them dead")
+
 
 def watcher_verdict(by: str, state: RunState, dead: frozenset[str], left: frozenset[str]
                     ) -> Verdict:
