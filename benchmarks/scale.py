@@ -62,6 +62,7 @@ Progress goes to stderr, the table (markdown) to stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import datetime as dt
 import gc
@@ -357,15 +358,40 @@ class Etcd:
             time.sleep(0.1)
 
     def requests(self) -> Counter[str]:
-        """Messages etcd's gRPC server received so far, by method."""
-        return received_requests(f"http://127.0.0.1:{self.port}", timeout=METRICS_TIMEOUT_S)
+        """Messages etcd's gRPC server received so far, by method.
+
+        Raises:
+            MetricsUnanswered: etcd did not answer within ``METRICS_TIMEOUT_S``.
+        """
+        with _answered():
+            return received_requests(f"http://127.0.0.1:{self.port}",
+                                     timeout=METRICS_TIMEOUT_S)
 
     def sent_bytes(self) -> int:
-        """Bytes etcd sent its gRPC clients so far (the JSON gateway among them)."""
-        return sent_bytes(f"http://127.0.0.1:{self.port}", timeout=METRICS_TIMEOUT_S)
+        """Bytes etcd sent its gRPC clients so far (the JSON gateway among them).
+
+        Raises:
+            MetricsUnanswered: etcd did not answer within ``METRICS_TIMEOUT_S``.
+        """
+        with _answered():
+            return sent_bytes(f"http://127.0.0.1:{self.port}", timeout=METRICS_TIMEOUT_S)
 
     def cpu(self) -> float | None:
         return cpu_seconds(self.proc.pid)
+
+
+class MetricsUnanswered(Exception):
+    """etcd did not answer its ``/metrics`` in time: the rest of the case has no figures
+    (2,048 thread-packed agents on 2 cores left it no time to)."""
+
+
+@contextlib.contextmanager
+def _answered() -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:  # requests' errors are OSErrors: a refused or timed-out connect
+        raise MetricsUnanswered(f"etcd's /metrics did not answer within "
+                                f"{METRICS_TIMEOUT_S:g}s: {type(exc).__name__}") from exc
 
 
 def tail(path: Path, lines: int = 15) -> str:
@@ -489,6 +515,11 @@ class Case:
         result = CaseResult()
         try:
             self._run(result)
+        except MetricsUnanswered as exc:
+            self.say(str(exc))
+            for phase in (result.round1, result.round2):
+                if phase.value is None and phase.failure is None:
+                    phase.failure = "failed: etcd overloaded"
         finally:
             self.cleanup()
         if self.backend != "stock":
@@ -669,6 +700,8 @@ class Case:
             self.say(f"round 1 failed: {exc}")
             result.round1.failure = exc.short
             return
+        if complete:  # the time first: etcd's figures may not come (``MetricsUnanswered``)
+            result.round1.value = max(a.ranks[0][0] for a in self.agents) - t_barrier
         requests1 = self.etcd.requests() if self.etcd else Counter()
         cpu1 = self._cpu_agents() - cpu0
         etcd_cpu = (self.etcd.cpu() or 0.0) - (etcd_cpu0 or 0.0) if self.etcd else None
@@ -683,7 +716,7 @@ class Case:
             return
         first = [a.ranks[0] for a in self.agents]
         if sorted(r for _, r, _ in first) != list(range(n)) or any(w != n for _, _, w in first):
-            result.round1.failure = "ranks not a permutation"
+            result.round1.value, result.round1.failure = None, "ranks not a permutation"
             self.say(f"round 1: ranks {[r for _, r, _ in first]} worlds "
                      f"{sorted({w for _, _, w in first})}")
             return
