@@ -381,8 +381,9 @@ class Etcd:
 
 
 class MetricsUnanswered(Exception):
-    """etcd did not answer its ``/metrics`` in time: the rest of the case has no figures
-    (2,048 thread-packed agents on 2 cores left it no time to)."""
+    """etcd did not answer its ``/metrics`` in time (2,048 thread-packed agents on 2 cores):
+    before the start the case goes on without request counts (``_first_count``); later
+    the rest of the case has no figures."""
 
 
 @contextlib.contextmanager
@@ -497,6 +498,7 @@ class Case:
         self.workdir = workdir
         self.cap: float = args.cap
         self.etcd: Etcd | None = None
+        self.meter: Etcd | None = None  # the etcd whose request counters are read, if any
         self.workers: list[Worker] = []
         self.agents = [Agent() for _ in range(n)]
         self.events: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
@@ -535,6 +537,19 @@ class Case:
         self.say(f"declared dead: {len({peer for _, peer in self.verdicts})} agent(s), "
                  f"{len(wrong)} of them alive")
         return len(wrong)
+
+    def _first_count(self) -> Counter[str]:
+        """etcd's request counters before the start barrier; when etcd does not answer
+        them (2,048 agents), the case goes on without request counts."""
+        self.meter = self.etcd
+        if self.meter is None:
+            return Counter()
+        try:
+            return self.meter.requests()
+        except MetricsUnanswered as exc:
+            self.say(f"{exc}: the case goes on without etcd's request counts")
+            self.meter = None
+            return Counter()
 
     # -- setting up --------------------------------------------------------------------------
     def _start_workers(self) -> int:
@@ -680,7 +695,7 @@ class Case:
                                   "failed: set-up")
             self.say(f"{len(self.workers)} workers imported torch in "
                      f"{time.monotonic() - started:.1f}s")
-            requests0 = self.etcd.requests() if self.etcd else Counter()
+            requests0 = self._first_count()
             cpu0 = self._cpu_agents()
             etcd_cpu0 = self.etcd.cpu() if self.etcd else None
             t_barrier = time.monotonic()
@@ -702,11 +717,11 @@ class Case:
             return
         if complete:  # the time first: etcd's figures may not come (``MetricsUnanswered``)
             result.round1.value = max(a.ranks[0][0] for a in self.agents) - t_barrier
-        requests1 = self.etcd.requests() if self.etcd else Counter()
+        requests1 = self.meter.requests() if self.meter else Counter()
         cpu1 = self._cpu_agents() - cpu0
         etcd_cpu = (self.etcd.cpu() or 0.0) - (etcd_cpu0 or 0.0) if self.etcd else None
         used = requests1 - requests0
-        load = (f"{sum(used.values())} etcd requests ({self._top(used)}), " if self.etcd
+        load = (f"{sum(used.values())} etcd requests ({self._top(used)}), " if self.meter
                 else "") + f"CPU agents {cpu1:.1f}s" + \
             (f" etcd {etcd_cpu:.1f}s" if etcd_cpu is not None else "")
         if not complete:
@@ -724,8 +739,9 @@ class Case:
         connects = [a.connected - t_barrier for a in self.agents if a.connected is not None]
         result.cpu_agents.value = cpu1
         result.cpu_per_agent.value = cpu1 / n * 1000
-        if self.etcd:
+        if self.meter:
             result.requests.value = sum(used.values())
+        if self.etcd:
             result.cpu_etcd.value = etcd_cpu
         self.say(f"round 1 {result.round1.value:.2f}s (handlers built: median "
                  f"{statistics.median(connects):.2f}s, last {max(connects):.2f}s); {load}")
@@ -738,8 +754,8 @@ class Case:
             victim.expected_exit = True
         self.say("killing agent(s) of round-1 rank "
                  + ", ".join(str(self.agents[i].ranks[0][1]) for w in victims for i in w.agents))
-        requests_kill = self.etcd.requests() if self.etcd else Counter()
-        bytes_kill = self.etcd.sent_bytes() if self.etcd else 0
+        requests_kill = self.meter.requests() if self.meter else Counter()
+        bytes_kill = self.meter.sent_bytes() if self.meter else 0
         cpu_kill = self._cpu_agents(living)
         t_kill = self.t_kill = time.monotonic()
         for victim in victims:
@@ -778,10 +794,10 @@ class Case:
         result.round2.value = max(self.agents[i].ranks[-1][0] for i in survivors) - t_kill
         result.cpu_change_per_agent.value = \
             (self._cpu_agents(living) - cpu_kill) / len(survivors) * 1000
-        if self.etcd:
-            change = self.etcd.requests() - requests_kill
+        if self.meter:
+            change = self.meter.requests() - requests_kill
             result.change_requests.value = sum(change.values()) / len(survivors)
-            result.change_kb.value = (self.etcd.sent_bytes() - bytes_kill) / 1024 / len(survivors)
+            result.change_kb.value = (self.meter.sent_bytes() - bytes_kill) / 1024 / len(survivors)
             self.say(f"round change per survivor: {result.change_requests.value:.1f} requests "
                      f"({self._top(change)}), {result.change_kb.value:.1f} KB from etcd")
         self.say(f"round 2 {result.round2.value:.2f}s after the kill; "
@@ -790,19 +806,19 @@ class Case:
                     if early else ""))
 
         # steady state (etcd only: the other stores have no request counter)
-        if self.etcd is None:
+        if self.meter is None:
             return
         steady_from = time.monotonic()
-        before = self.etcd.requests()
-        bytes_before = self.etcd.sent_bytes()
+        before = self.meter.requests()
+        bytes_before = self.meter.sent_bytes()
         try:
             self.collect(lambda: False, steady_from + self.args.steady)
         except CaseFailure as exc:
             self.say(f"steady state: {exc}")
             result.rate.failure = "failed"
             return
-        used = self.etcd.requests() - before
-        idle_bytes = self.etcd.sent_bytes() - bytes_before
+        used = self.meter.requests() - before
+        idle_bytes = self.meter.sent_bytes() - bytes_before
         elapsed = time.monotonic() - steady_from
         late = sum(1 for a in self.agents if any(t >= steady_from for t in a.rejoins))
         result.false_restarts += late
