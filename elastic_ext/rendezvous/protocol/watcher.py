@@ -214,7 +214,6 @@ class Watcher:
             self._doubt = Doubt(len(still), len(watched), len(spared))
         return dead - spared
 
-
     def _patient_with_the_watcher(self, dead: frozenset[str], watcher: str | None,
                                   answering: Answering) -> frozenset[str]:
         """``dead`` less the watcher while it has been still fewer than
