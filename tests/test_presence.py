@@ -24,6 +24,7 @@ from elastic_ext.rendezvous.agent.keeper import Keeper
 from elastic_ext.rendezvous.agent.presence import (
     PROBE_TIMEOUT_S,
     STRIKES,
+    AnswerProbe,
     PresenceListener,
     PresenceProbe,
     PresenceWatch,
@@ -500,3 +501,18 @@ def test_a_watcher_slow_in_its_ticks_beats_on_time_and_one_stuck_in_a_tick_is_fo
         StuckTicks.stuck.clear()
         follower.stop()
         watcher.stop()
+
+
+def test_a_machine_found_silent_wakes_the_keeper_at_once(silent_ports: list[int]) -> None:
+    """``AnswerProbe``: a dial that finds a machine silent calls ``on_silent`` (the keeper
+    then judges at once, not a tick later); until the answer is back the node counts as
+    answering, and a silent one is not asked again while its answer is fresh."""
+    woken = threading.Event()
+    probe = AnswerProbe(on_silent=woken.set)
+    targets = {"n0": ("127.0.0.1", silent_ports[0])}
+    try:
+        assert probe.answering(targets) == {"n0"}  # not known yet: spared
+        assert woken.wait(2.0), "a silent machine must wake the keeper"
+        assert probe.answering(targets) == frozenset()
+    finally:
+        probe.close()

@@ -92,7 +92,7 @@ class Keeper:
         self._view = RunView(backend, node)  # the state's head, the whole state if judging
         self._presence = PresenceListener()
         self._probe = PresenceProbe()
-        self._answers = AnswerProbe()  # for a judge in doubt (watcher.Doubt)
+        self._answers = AnswerProbe(on_silent=self._wake.set)  # a judge in doubt's
         self._held = PresenceWatch()  # used by the tick's thread only
         self._notices = NoticeRelay(backend, node, limits=limits, control=control,
                                     events=events, clock=clock, wake=self._wake.set)

@@ -35,7 +35,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 logger = logging.getLogger(__name__)
@@ -296,10 +296,14 @@ class AnswerProbe:
     machine is silent (off the network). A held connection cannot tell: one made before
     the machine vanished stays open on this side. Each ask starts, in the background, a
     dial to every node without an answer of the last ``ANSWER_FRESH_S``; until it is back,
-    the node counts as answering (the keeper waits a tick rather than guess)."""
+    the node counts as answering (the keeper waits rather than guess), and a dial that
+    finds a machine silent calls ``on_silent`` (the keeper ticks again at once instead of
+    a tick later: eight dropped machines are found within the timeout and a second)."""
 
-    def __init__(self, fresh_s: float = ANSWER_FRESH_S) -> None:
+    def __init__(self, fresh_s: float = ANSWER_FRESH_S,
+                 on_silent: Callable[[], None] | None = None) -> None:
         self._fresh_s = fresh_s
+        self._on_silent = on_silent
         self._lock = threading.Lock()
         self._answered: dict[tuple[str, int], tuple[float, bool]] = {}  # when, answered
         self._asked: set[tuple[str, int]] = set()  # dials in flight
@@ -325,6 +329,8 @@ class AnswerProbe:
         with self._lock:
             self._answered[key] = (time.monotonic(), answered)
             self._asked.discard(key)
+        if not answered and self._on_silent is not None:
+            self._on_silent()
 
     def close(self) -> None:
         if self._pool is not None:
