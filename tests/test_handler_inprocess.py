@@ -739,3 +739,36 @@ def test_a_node_takes_over_a_round_its_live_closer_leaves_idle_reading_the_count
     assert idle_limit <= took_over - began <= 1.5 * idle_limit + 1.0, (took_over, idle_limit)
     waiting = [at for at in counted if at < took_over]  # then it reads as the closer does
     assert len(waiting) <= 3, waiting  # one a second was 7
+
+
+def test_a_round_that_moves_while_the_joiner_counts_its_joins_is_not_taken_over(
+        make_lab, monkeypatch) -> None:
+    """A starved store answers the count in seconds; the closer wrote the round meanwhile
+    (it works). The head says so: the joiner waits a whole idle limit again instead of
+    reading the whole state and the joins to decide for a live closer."""
+    lab = make_lab(nnodes=(2, 3))
+    lab.peer.beat("peer")
+    opened = dataclasses.replace(closed_round(("peer",)), phase=Phase.OPEN, order=())
+    lab.put_state(opened)
+    lab.clock.on_sleep.append(lambda: lab.peer.beat("peer"))
+    idle_limit = 4.0 * (1 + 2 / 3)  # (last call 1 s + heartbeat 3 s) at position 2 of 3
+    began = lab.clock.now
+    moved: list[float] = []
+    count_joins = MemoryBackend.count_joins
+
+    def counting(self: MemoryBackend, generation: str, round_: int) -> int:
+        if not moved and lab.clock.now - began >= idle_limit:  # the count that would decide
+            lab.put_state(dataclasses.replace(opened, note="the closer merged a join"))
+            moved.append(lab.clock.now)
+        return count_joins(self, generation, round_)
+    monkeypatch.setattr(MemoryBackend, "count_joins", counting)
+    read: list[float] = []
+    read_joins = MemoryBackend.read_joins
+
+    def reading(self: MemoryBackend, generation: str, round_: int) -> list[tuple[str, bytes]]:
+        read.append(lab.clock.now)
+        return read_joins(self, generation, round_)
+    monkeypatch.setattr(MemoryBackend, "read_joins", reading)
+    info = lab.handler.next_rendezvous()  # taken over in the end: the closer never closes
+    assert (info.rank, info.world_size) == (1, 2) and moved
+    assert read[0] - moved[0] >= idle_limit, (read[0] - moved[0], idle_limit)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from elastic_ext.agent.control import AgentControl
+from elastic_ext.rendezvous.agent.closer_joins import CloserJoins
 from elastic_ext.rendezvous.agent.events import EventLog
 from elastic_ext.rendezvous.agent.handler import EtcdExtRendezvousHandler
 from elastic_ext.rendezvous.agent.keeper import Keeper
@@ -33,6 +34,7 @@ from elastic_ext.rendezvous.protocol.policy import Limits
 from elastic_ext.rendezvous.protocol.state import NodeInfo, Phase, RunState, Status
 from elastic_ext.rendezvous.stores.contract import KeeperRead
 from elastic_ext.rendezvous.stores.wire import unwrap_state, wrap_state
+from tests.support.handler_lab import FakeClock
 from tests.support.memory_backend import MemoryBackend, MemoryStore
 from tests.support.stores import settings_for
 
@@ -575,3 +577,39 @@ def test_in_an_open_round_only_the_joiner_whose_turn_came_judges_everyone() -> N
     assert view.judges(dead, replacing=False)
     view.member_of = ("g", 2)
     assert not view.judges(dead, replacing=True)
+
+
+# -- the closer's wait follows the load (``CloserJoins.wait``) ----------------------------
+@pytest.mark.parametrize("spacing, returned_after", [(0.0, 0.1), (0.5, 0.5)])
+def test_a_slow_closer_waits_as_long_as_its_decision_took_for_the_joins_to_batch(
+        spacing: float, returned_after: float) -> None:
+    """With MIN reached the closer decided again at every join (each decision merges N
+    joins): one that takes 0.5 s to decide now waits 0.5 s, so the joins of that time are
+    decided on together; a closer that decides fast still wakes at the next join."""
+    backend, clock = MemoryBackend(MemoryStore()), FakeClock()
+    state = replace(OPEN, members={"closer": info(1), "a": info(2)})  # MIN 2 reached
+    joins = CloserJoins(backend, min_nodes=2, max_nodes=10)
+    joins.merged(state)
+    began = clock.now
+
+    def a_join_after_a_tenth() -> None:
+        if clock.now - began >= 0.1 and not backend.count_joins("g", 2):
+            backend.join("g", 2, "b", entry(3))
+    clock.on_sleep.append(a_join_after_a_tenth)
+    joins.wait(state, 0.05, 1.0, clock, spacing=spacing)
+    assert clock.now - began == pytest.approx(returned_after, abs=0.06)
+
+
+def test_a_slow_closer_still_closes_at_once_when_the_joins_fill_the_round() -> None:
+    backend, clock = MemoryBackend(MemoryStore()), FakeClock()
+    state = replace(OPEN, members={"closer": info(1), "a": info(2)})
+    joins = CloserJoins(backend, min_nodes=2, max_nodes=3)  # one join fills it
+    joins.merged(state)
+    began = clock.now
+
+    def a_join_after_a_tenth() -> None:
+        if clock.now - began >= 0.1 and not backend.count_joins("g", 2):
+            backend.join("g", 2, "b", entry(3))
+    clock.on_sleep.append(a_join_after_a_tenth)
+    joins.wait(state, 0.05, 1.0, clock, spacing=0.5)
+    assert clock.now - began == pytest.approx(0.1, abs=0.06)

@@ -135,7 +135,10 @@ class HeadPath:
         taken over, each take-over reading the whole state) is not taken over while it
         works. The join count, a request, is read every half of that limit: every waiting
         agent reads it (once a second at 1,024 agents was 1,024 requests a second for as
-        long as the round stayed open).
+        long as the round stayed open). Before it takes over it looks at the head once
+        more (on etcd a watched key: no request): a round that moved while the count was
+        read (a starved store answers in seconds) is its closer's still, and the whole
+        state is not read.
 
         Raises:
             RendezvousTimeoutError: ``deadline`` passed (``timeout_message``).
@@ -162,6 +165,8 @@ class HeadPath:
             if count != joins:
                 joins, moved_at = count, now
             elif counted_at - moved_at >= idle_limit:
+                if self._backend.wait_for_state(token, 0.0, self._clock):
+                    return  # the round moved while we counted: its closer works; step again
                 logger.info("etcd-ext: round %d is still open %.1fs after its last join "
                             "(limit %.1fs); deciding on it instead of its closer %s", key[1],
                             counted_at - moved_at, idle_limit, closer)

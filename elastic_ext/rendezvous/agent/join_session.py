@@ -127,6 +127,7 @@ class JoinSession:
         full_next = False
         known: _Known | None = None  # what our last write saw
         while True:
+            began = self._clock.monotonic()  # the closer's next wait follows its decision's
             try:
                 if known is None and not full_next and self._backend.keeps_heads:
                     step = self._path.step(my_entry, deadline, self._timeout_message(None))
@@ -182,7 +183,8 @@ class JoinSession:
             if self._clock.monotonic() > deadline:
                 raise RendezvousTimeoutError(self._timeout_message(seen))
             if full:
-                known = self._wait_as_closer(state, token, deadline)
+                known = self._wait_as_closer(state, token, deadline,
+                                             self._clock.monotonic() - began)
             else:
                 known = self._as_known(self._backend.wait_for_state(token, _WAKE_S, self._clock))
 
@@ -190,18 +192,20 @@ class JoinSession:
         self._read_at = self._clock.monotonic()
         return read_state(self._backend)
 
-    def _wait_as_closer(self, state: RunState | None, token: Token | None, deadline: float
-                        ) -> _Known | None:
+    def _wait_as_closer(self, state: RunState | None, token: Token | None, deadline: float,
+                        decided_in: float = 0.0) -> _Known | None:
         """Between the closer's decisions: until a join comes (joins are keys, not state
         changes; a watch on etcd) or ``_POLL`` passed (its other reasons to decide again
         come with time: the last call, a death judged), below MIN nodes until the joins can
-        make MIN or ``_WAKE_S`` passed; then the state if it changed, as
-        the store's notice of it brought it; else the state it decided on, read anew at
-        least every ``_WAKE_S`` (a notice that never came). Never more than ``_POLL``
-        past ``deadline``."""
+        make MIN or ``_WAKE_S`` passed, and with MIN at least as long as its last decision
+        took (``decided_in``, up to ``_WAKE_S``: ``CloserJoins.wait``); then the state if it
+        changed, as the store's notice of it brought it; else the state it decided on, read
+        anew at least every ``_WAKE_S`` (a notice that never came). Never more than
+        ``_POLL`` past ``deadline``."""
         left = max(_POLL, deadline - self._clock.monotonic())
         if state is not None:
-            self._joins.wait(state, _POLL, min(_WAKE_S, left), self._clock)
+            self._joins.wait(state, _POLL, min(_WAKE_S, left), self._clock,
+                             spacing=min(_WAKE_S, left, decided_in))
         change = self._backend.wait_for_state(token, 0.0, self._clock)
         if change is False and self._clock.monotonic() - self._read_at < _WAKE_S:
             return state, token

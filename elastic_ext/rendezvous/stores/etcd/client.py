@@ -22,6 +22,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 
 from elastic_ext.rendezvous.errors import ConfigError, StoreAuthError, StoreUnavailableError
 from elastic_ext.rendezvous.settings import Settings
+from elastic_ext.rendezvous.stores.etcd.latency import StoreLatency
 from elastic_ext.rendezvous.stores.etcd.transport import (
     ConnectionFailed,
     GatewayConnections,
@@ -63,6 +64,14 @@ class EtcdClient:
         self._current = 0  # index of the endpoint that answered last
         self._token: str | None = None
         self._local = threading.local()
+        self._latency = [StoreLatency(settings.timeouts.request, settings.timeouts.connect,
+                                      time.monotonic) for _ in settings.endpoints]
+
+    def latency(self, index: int | None = None) -> StoreLatency:
+        """How fast the endpoint ``index`` (default: the one that answered last) answers
+        this agent: each endpoint its own, so that a silent one does not slow the others'
+        failover (``etcd/latency.py``)."""
+        return self._latency[self._current if index is None else index]
 
     # -- plumbing ----------------------------------------------------------------------
     def _session(self) -> requests.Session:
@@ -80,14 +89,18 @@ class EtcdClient:
     def _post_once(self, index: int, path: str, payload: dict[str, Any],
                    auth: bool = True) -> dict[str, Any]:
         endpoint = self._settings.endpoints[index]
+        latency = self._latency[index]
+        sent = time.monotonic()
         try:
-            reply = self._gateway.post(endpoint, path, payload,
-                                       self._token if auth else None)
+            reply = self._gateway.post(endpoint, path, payload, self._token if auth else None,
+                                       timeout=latency.request_timeout())
         except TlsFailed as exc:
             raise StoreAuthError(f"TLS handshake with etcd at {endpoint} failed ({exc}); check "
                                  "--rdzv-conf cacert / cert / key") from exc
-        except ConnectionFailed as exc:
+        except ConnectionFailed as exc:  # a timeout counts as an answer that slow
+            latency.record(time.monotonic() - sent)
             raise _Transient(f"{endpoint}: {exc}") from exc
+        latency.record(time.monotonic() - sent)
         if reply.status == 200:
             try:
                 return reply.json()
@@ -157,9 +170,10 @@ class EtcdClient:
             return attempt()
         except _Transient:
             pass
+        first_wait = self.latency().first_retry_wait()  # waits and timeouts follow the load
         retrying = Retrying(
             stop=stop_after_delay(max(0.0, limit - (time.monotonic() - began))),
-            wait=wait_exponential(multiplier=0.02, max=0.5),
+            wait=wait_exponential(multiplier=first_wait, max=max(0.5, 4 * first_wait)),
             retry=retry_if_exception_type(_Transient), reraise=True)
         try:
             return retrying(attempt)
@@ -329,7 +343,7 @@ class EtcdClient:
         url = f"{self._settings.scheme}://{endpoint}/v3/watch"
         try:
             with self._session().post(url, json={"create_request": create}, headers=headers,
-                                      stream=True, timeout=(self._settings.timeouts.request,
+                                      stream=True, timeout=(self.latency().request_timeout(),
                                                             idle_timeout)) as reply:
                 # chunk_size=None: each line as soon as it arrives (the stubs omit None)
                 for line in reply.iter_lines(chunk_size=None):  # type: ignore[call-overload]

@@ -65,12 +65,15 @@ class GatewayConnections:
                 self._ssl = context
             return self._ssl
 
-    def _connection(self, endpoint: Endpoint) -> http.client.HTTPConnection:
+    def _connection(self, endpoint: Endpoint, timeout: float) -> http.client.HTTPConnection:
         pool: dict[str, http.client.HTTPConnection] = self._local.__dict__.setdefault("pool", {})
         key = str(endpoint)
         conn = pool.get(key)
-        if conn is None:
-            timeout = self._settings.timeouts.request
+        if conn is not None:
+            conn.timeout = timeout  # the next connect's
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout)
+        else:
             if self._settings.scheme == "https":
                 conn = http.client.HTTPSConnection(endpoint.host, endpoint.port, timeout=timeout,
                                                    context=self._context())
@@ -85,8 +88,9 @@ class GatewayConnections:
             conn.close()
 
     def post(self, endpoint: Endpoint, path: str, payload: dict[str, Any],
-             token: str | None = None) -> Reply:
-        """POST ``payload`` as JSON to ``/v3<path>`` at ``endpoint``.
+             token: str | None = None, timeout: float | None = None) -> Reply:
+        """POST ``payload`` as JSON to ``/v3<path>`` at ``endpoint``, given up after
+        ``timeout`` seconds without an answer (default: ``request_timeout``).
 
         Raises:
             ConnectionFailed: no answer (the connection is dropped).
@@ -96,7 +100,8 @@ class GatewayConnections:
         if token:
             headers["Authorization"] = token
         body = json.dumps(payload, separators=(",", ":"))
-        conn = self._connection(endpoint)
+        conn = self._connection(endpoint, timeout if timeout is not None
+                                else self._settings.timeouts.request)
         try:
             conn.request("POST", "/v3" + path, body=body, headers=headers)
             response = conn.getresponse()
