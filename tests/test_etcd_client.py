@@ -9,6 +9,7 @@ import pytest
 
 from elastic_ext.rendezvous.errors import ConfigError, StoreUnavailableError
 from elastic_ext.rendezvous.stores.etcd.client import EtcdClient
+from elastic_ext.rendezvous.stores.etcd.round_store import add
 from tests.support.stores import settings_for
 
 pytestmark = pytest.mark.etcd
@@ -31,7 +32,7 @@ def test_concurrent_increments_by_compare_and_swap_lose_nothing(etcd):
 
     def bump():
         for _ in range(25):
-            client.add("/t/counter", 1)
+            add(client, "/t/counter", 1)
     threads = [threading.Thread(target=bump) for _ in range(4)]
     for t in threads:
         t.start()

@@ -2,8 +2,8 @@
 
 Why the gateway: etcd 3.4+ serves it by default, and speaking it needs no
 grpcio/protobuf, whose pins break ML stacks (and broke the old ``etcd3`` package).
-Unary calls go through ``etcd/transport.py`` (``http.client``, kept alive per thread); the
-version probe and watch streams through ``requests``. Added here: rotation over several endpoints,
+Every call goes through ``etcd/transport.py`` (``http.client``: kept alive per thread, a
+watch stream on a connection of its own). Added here: rotation over several endpoints,
 user/password auth with re-login when the token expires, TLS from our own settings
 (never a machine-wide CA bundle), and the transactions the rendezvous needs.
 """
@@ -15,9 +15,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing, contextmanager
 from typing import Any
 
-import requests
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from elastic_ext.rendezvous.errors import ConfigError, StoreAuthError, StoreUnavailableError
@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 MIN_SERVER_VERSION = (3, 4)
 
+MIN_REQUEST_S = 0.05
+"""The shortest a request is given, however close its caller's deadline (``within``)."""
+
 
 class _Transient(Exception):
     """An endpoint failed in a way the next endpoint (or a retry) may not."""
@@ -55,7 +58,7 @@ _TRANSIENT_STATUS = {408, 500, 503, 504}  # timeouts, an unavailable or failing 
 
 
 class EtcdClient:
-    """Thread-safe: each thread gets its own connections and ``requests`` session."""
+    """Thread-safe: each thread gets its own connections."""
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
@@ -63,9 +66,27 @@ class EtcdClient:
         self._lock = threading.Lock()
         self._current = 0  # index of the endpoint that answered last
         self._token: str | None = None
-        self._local = threading.local()
         self._latency = [StoreLatency(settings.timeouts.request, settings.timeouts.connect,
                                       time.monotonic) for _ in settings.endpoints]
+        self._local = threading.local()  # a thread's deadline (``within``)
+
+    @contextmanager
+    def within(self, seconds: float) -> Iterator[None]:
+        """Every call this thread makes inside gives up ``seconds`` from now, its retries
+        and a request the load gave a longer timeout included: a caller's own timeout (the
+        round store's, which torch's agent waits on) holds whatever the load."""
+        outer: float | None = getattr(self._local, "deadline", None)
+        mine = time.monotonic() + seconds
+        self._local.deadline = mine if outer is None else min(outer, mine)
+        try:
+            yield
+        finally:
+            self._local.deadline = outer
+
+    def _left(self) -> float | None:
+        """Seconds to this thread's deadline (``within``); None without one."""
+        deadline: float | None = getattr(self._local, "deadline", None)
+        return None if deadline is None else deadline - time.monotonic()
 
     def latency(self, index: int | None = None) -> StoreLatency:
         """How fast the endpoint ``index`` (default: the one that answered last) answers
@@ -74,26 +95,17 @@ class EtcdClient:
         return self._latency[self._current if index is None else index]
 
     # -- plumbing ----------------------------------------------------------------------
-    def _session(self) -> requests.Session:
-        session = getattr(self._local, "session", None)
-        if session is None:
-            session = requests.Session()
-            session.trust_env = False  # ignore proxies and REQUESTS_CA_BUNDLE from the machine
-            tls = self._settings.tls
-            session.verify = tls.cacert if tls.cacert else True
-            if tls.cert and tls.key:
-                session.cert = (tls.cert, tls.key)
-            self._local.session = session
-        return session
-
     def _post_once(self, index: int, path: str, payload: dict[str, Any],
                    auth: bool = True) -> dict[str, Any]:
         endpoint = self._settings.endpoints[index]
         latency = self._latency[index]
+        timeout, left = latency.request_timeout(), self._left()
+        if left is not None:
+            timeout = max(MIN_REQUEST_S, min(timeout, left))
         sent = time.monotonic()
         try:
             reply = self._gateway.post(endpoint, path, payload, self._token if auth else None,
-                                       timeout=latency.request_timeout())
+                                       timeout=timeout)
         except TlsFailed as exc:
             raise StoreAuthError(f"TLS handshake with etcd at {endpoint} failed ({exc}); check "
                                  "--rdzv-conf cacert / cert / key") from exc
@@ -164,6 +176,9 @@ class EtcdClient:
                 raise
 
         limit = deadline if deadline is not None else self._settings.timeouts.connect
+        left = self._left()
+        if left is not None:
+            limit = min(limit, left)
         began = time.monotonic()
         try:  # the usual case, without building a retry loop: at 256 forked agents on etcd
             # a round change cost each agent 20.9 ms of CPU with one per call, 17.9 without
@@ -195,18 +210,20 @@ class EtcdClient:
             slow = False
             for index, ep in enumerate(self._settings.endpoints):
                 try:
-                    resp = self._session().get(f"{self._settings.scheme}://{ep}/version",
-                                               timeout=self._settings.timeouts.request)
-                    version = resp.json()["etcdserver"]
-                except requests.exceptions.SSLError as exc:
+                    reply = self._gateway.get(ep, "/version")
+                    version = reply.json()["etcdserver"] if reply.status == 200 else None
+                except TlsFailed as exc:
                     raise StoreAuthError(f"TLS handshake with etcd at {ep} failed ({exc}); "
                                          "check --rdzv-conf cacert / cert / key") from exc
-                except (ValueError, KeyError) as exc:  # it answered, and not as etcd
-                    last.append(exc)  # (requests' JSONDecodeError is a ValueError too)
-                    continue
-                except requests.exceptions.RequestException as exc:  # slow, or not up
+                except ConnectionFailed as exc:  # slow, or not up
                     last.append(exc)
                     slow = True
+                    continue
+                except (ValueError, KeyError) as exc:  # it answered, and not as etcd
+                    last.append(exc)
+                    continue
+                if not isinstance(version, str):
+                    last.append(ValueError(f"HTTP {reply.status} from {ep}/version"))
                     continue
                 parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
                 if parts < MIN_SERVER_VERSION:
@@ -285,16 +302,6 @@ class EtcdClient:
                "success": [{"request_put": {"key": b64(key), "value": b64(value)}}]}
         return bool(self.call("/kv/txn", txn).get("succeeded"))
 
-    def add(self, key: str, amount: int) -> int:
-        """Atomic integer add, by compare-and-swap."""
-        while True:
-            current = self.get(key)
-            base = int(current.value) if current and current.value else 0
-            ok, _ = self.compare_and_swap(key, str(base + amount).encode(),
-                                          current.mod_revision if current else None)
-            if ok:
-                return base + amount
-
     def multi_get(self, keys: Sequence[str]) -> list[KeyValue | None]:
         """Each of ``keys``, None where absent: one transaction per ``MAX_TXN_OPS`` keys
         (torch's rank 0 reads every agent's key at once)."""
@@ -339,18 +346,14 @@ class EtcdClient:
         create: dict[str, Any] = {"key": b64(key), "start_revision": str(start_revision)}
         if prefix:
             create["range_end"] = b64(prefix_end(key.encode()))
-        headers = {"Authorization": self._token} if self._token else {}
-        url = f"{self._settings.scheme}://{endpoint}/v3/watch"
+        lines = self._gateway.stream(endpoint, "/watch", {"create_request": create},
+                                     self._token, self.latency().request_timeout(),
+                                     idle_timeout)
         try:
-            with self._session().post(url, json={"create_request": create}, headers=headers,
-                                      stream=True, timeout=(self.latency().request_timeout(),
-                                                            idle_timeout)) as reply:
-                # chunk_size=None: each line as soon as it arrives (the stubs omit None)
-                for line in reply.iter_lines(chunk_size=None):  # type: ignore[call-overload]
+            with closing(lines):
+                for line in lines:
                     if stop.is_set():
                         return
-                    if not line:
-                        continue
                     result = json.loads(line).get("result") or {}
                     if result.get("canceled") or result.get("compact_revision"):
                         return  # the caller reads the key again and watches anew
@@ -360,9 +363,7 @@ class EtcdClient:
                         kv = KeyValue.from_reply(event["kv"])
                         yield kv.mod_revision, kv.key, \
                             None if event.get("type") == "DELETE" else kv
-        except requests.exceptions.ReadTimeout:
-            return
-        except (requests.exceptions.RequestException, ValueError, KeyError, TypeError) as exc:
+        except (ConnectionFailed, TlsFailed, ValueError, KeyError, TypeError) as exc:
             raise StoreUnavailableError(f"watch of {key} at {endpoint} failed: {exc}") from exc
 
     def read_range(self, key: str, *, prefix: bool = False) -> tuple[list[KeyValue], int]:

@@ -54,15 +54,21 @@ class EtcdV3Store(Store):
         return self._prefix + key
 
     def _patiently(self, operation: Callable[[], _T]) -> _T:
-        """``operation``, again while etcd does not answer, until the store's timeout."""
+        """``operation``, again while etcd does not answer, until the store's timeout; no
+        request outlives it (``EtcdClient.within``: the load lengthens request timeouts)."""
         def said(state: object) -> None:
             logger.warning("etcd-ext: the round's store on etcd did not answer; asking "
                            "again until its timeout (%s)", self._timeout)
+        deadline = time.monotonic() + self._timeout.total_seconds()
+
+        def bounded() -> _T:
+            with self._client.within(max(0.0, deadline - time.monotonic())):
+                return operation()
         retrying = Retrying(stop=stop_after_delay(self._timeout.total_seconds()),
                             wait=wait_exponential(multiplier=0.1, max=1.0),
                             retry=retry_if_exception_type(StoreUnavailableError),
                             before_sleep=said, reraise=True)
-        return retrying(operation)
+        return retrying(bounded)
 
     def set(self, key: str, value: str | bytes) -> None:
         self._patiently(lambda: self._client.put(self._key(key), _bytes(value)))
@@ -71,7 +77,7 @@ class EtcdV3Store(Store):
         return self._values([key], self._timeout)[0]
 
     def add(self, key: str, num: int) -> int:
-        return self._patiently(lambda: self._client.add(self._key(key), num))
+        return self._patiently(lambda: add(self._client, self._key(key), num))
 
     def compare_set(self, key: str, expected_value: str | bytes,
                     desired_value: str | bytes) -> bytes:
@@ -130,6 +136,17 @@ class EtcdV3Store(Store):
 
     def num_keys(self) -> int:
         return len(self._patiently(lambda: self._client.get_prefix(self._prefix)))
+
+
+def add(client: EtcdClient, key: str, amount: int) -> int:
+    """Atomic integer add, by compare-and-swap (torch's ``Store.add``)."""
+    while True:
+        current = client.get(key)
+        base = int(current.value) if current and current.value else 0
+        ok, _ = client.compare_and_swap(key, str(base + amount).encode(),
+                                        current.mod_revision if current else None)
+        if ok:
+            return base + amount
 
 
 class _AllWritten(Exception):

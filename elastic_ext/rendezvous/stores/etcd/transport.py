@@ -1,11 +1,14 @@
-"""One POST to etcd's v3 HTTP/JSON gateway, on a kept-alive ``http.client`` connection.
+"""etcd's v3 HTTP/JSON gateway on ``http.client``: a POST or a GET on a kept-alive
+connection, and a watch stream on a connection of its own.
 
-Why not ``requests`` (or ``etcd3gw`` over it) for these calls: at scale every agent's
-keeper makes two requests a second, and ``requests`` spends about 0.5 ms of CPU on each
-where ``http.client`` spends about 0.1 ms (measured here, benchmarks/scale.py): with
-1,024 agents that is the difference between a store that keeps up and one that does
-not. ``requests`` stays for the rare calls that gain from it (the version probe, watch
-streams: ``etcd/client.py``).
+Why not ``requests`` (or ``etcd3gw`` over it): at scale every agent's keeper makes a
+request a second, and ``requests`` spends about 0.5 ms of CPU on each where
+``http.client`` spends about 0.1 ms (measured here, benchmarks/scale.py): with 1,024
+agents that is the difference between a store that keeps up and one that does not. The
+version probe and the watch streams went through ``requests`` too, until a profile of
+forked agents (one process each, as on real machines) found the first ``requests`` call
+of each process, a session per thread, about a fifth of an agent's CPU for its first
+round.
 
 Each thread has its own connection per endpoint (``http.client`` connections are not
 thread-safe); a connection that failed is dropped, and the next call opens another.
@@ -17,6 +20,7 @@ import http.client
 import json
 import ssl
 import threading
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +69,12 @@ class GatewayConnections:
                 self._ssl = context
             return self._ssl
 
+    def _new_connection(self, endpoint: Endpoint, timeout: float) -> http.client.HTTPConnection:
+        if self._settings.scheme == "https":
+            return http.client.HTTPSConnection(endpoint.host, endpoint.port, timeout=timeout,
+                                               context=self._context())
+        return http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=timeout)
+
     def _connection(self, endpoint: Endpoint, timeout: float) -> http.client.HTTPConnection:
         pool: dict[str, http.client.HTTPConnection] = self._local.__dict__.setdefault("pool", {})
         key = str(endpoint)
@@ -74,12 +84,7 @@ class GatewayConnections:
             if conn.sock is not None:
                 conn.sock.settimeout(timeout)
         else:
-            if self._settings.scheme == "https":
-                conn = http.client.HTTPSConnection(endpoint.host, endpoint.port, timeout=timeout,
-                                                   context=self._context())
-            else:
-                conn = http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=timeout)
-            pool[key] = conn
+            conn = pool[key] = self._new_connection(endpoint, timeout)
         return conn
 
     def _drop(self, endpoint: Endpoint) -> None:
@@ -96,14 +101,19 @@ class GatewayConnections:
             ConnectionFailed: no answer (the connection is dropped).
             TlsFailed: the TLS handshake or the certificate check failed.
         """
-        headers = {"Content-Type": "application/json"}
-        if token:
-            headers["Authorization"] = token
         body = json.dumps(payload, separators=(",", ":"))
+        return self._ask(endpoint, "POST", "/v3" + path, body, _headers(token), timeout)
+
+    def get(self, endpoint: Endpoint, path: str, timeout: float | None = None) -> Reply:
+        """GET ``path`` at ``endpoint`` (etcd's ``/version``); raises as ``post`` does."""
+        return self._ask(endpoint, "GET", path, None, {}, timeout)
+
+    def _ask(self, endpoint: Endpoint, method: str, url: str, body: str | None,
+             headers: dict[str, str], timeout: float | None) -> Reply:
         conn = self._connection(endpoint, timeout if timeout is not None
                                 else self._settings.timeouts.request)
         try:
-            conn.request("POST", "/v3" + path, body=body, headers=headers)
+            conn.request(method, url, body=body, headers=headers)
             response = conn.getresponse()
             return Reply(response.status, response.read())
         except ssl.SSLError as exc:
@@ -112,3 +122,47 @@ class GatewayConnections:
         except (OSError, http.client.HTTPException) as exc:
             self._drop(endpoint)
             raise ConnectionFailed(f"{type(exc).__name__}: {exc}") from exc
+
+    def stream(self, endpoint: Endpoint, path: str, payload: dict[str, Any],
+               token: str | None, connect_timeout: float, idle_timeout: float
+               ) -> Generator[bytes, None, None]:
+        """POST ``payload`` to ``/v3<path>`` on a connection of its own and yield each
+        non-empty line of the answer as it arrives (a watch stream), until the stream ends
+        or nothing came for ``idle_timeout`` seconds (then it just ends).
+
+        Raises:
+            ConnectionFailed: no answer, a broken stream, or an HTTP status other than 200.
+            TlsFailed: the TLS handshake or the certificate check failed.
+        """
+        conn = self._new_connection(endpoint, connect_timeout)
+        try:
+            conn.request("POST", "/v3" + path, body=json.dumps(payload, separators=(",", ":")),
+                         headers=_headers(token))
+            response = conn.getresponse()
+            if response.status != 200:
+                raise ConnectionFailed(f"HTTP {response.status} "
+                                       f"{response.read()[:200].decode(errors='replace')}")
+            if conn.sock is not None:
+                conn.sock.settimeout(idle_timeout)
+            while True:
+                try:
+                    line = response.readline()
+                except TimeoutError:
+                    return  # idle: the caller reads again and watches anew
+                if not line:
+                    return
+                if line.strip():
+                    yield line
+        except ssl.SSLError as exc:
+            raise TlsFailed(str(exc)) from exc
+        except (OSError, http.client.HTTPException) as exc:
+            raise ConnectionFailed(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            conn.close()
+
+
+def _headers(token: str | None) -> dict[str, str]:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = token
+    return headers
