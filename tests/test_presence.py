@@ -323,14 +323,17 @@ class Beating:
         self._thread.join(timeout=5)
 
 
-def watching_keeper(backend: MemoryBackend, ports: dict[str, int], tmp_path: Path) -> Keeper:
-    """A keeper that watches everyone (``me`` closes the round) with a 1 s timeout."""
+def watching_keeper(backend: MemoryBackend, ports: dict[str, int], tmp_path: Path,
+                    interval: float = 0.1, timeout: float = 1.0) -> Keeper:
+    """A keeper that watches everyone (``me`` closes the round), by default with a 1 s
+    timeout."""
     members = {"me": NodeInfo("127.0.0.1", 1000)} | {
         n: NodeInfo("127.0.0.1", 1001 + i, presence=port)
         for i, (n, port) in enumerate(ports.items())}
     backend.set_state(RunState(generation="g", round=1, phase=Phase.CLOSED, members=members,
                                order=("me", *ports)).to_bytes())
-    keeper = Keeper(backend, "me", interval=0.1, timeout=1.0, limits=Limits(2, 11, 1.0, None),
+    keeper = Keeper(backend, "me", interval=interval, timeout=timeout,
+                    limits=Limits(2, 11, 1.0, None),
                     control=AgentControl(tmp_path / "ctl"),
                     events=EventLog("run1", "me", "127.0.0.1", None))
     keeper.watch_round(("g", 1))
@@ -516,3 +519,27 @@ def test_a_machine_found_silent_wakes_the_keeper_at_once(silent_ports: list[int]
         assert probe.answering(targets) == frozenset()
     finally:
         probe.close()
+
+
+def test_a_killed_agent_is_found_when_it_dies_not_at_the_next_tick(tmp_path: Path) -> None:
+    """The keeper sleeps between its ticks on its presence connections too (``Wakeup``,
+    ``PresenceWatch.wait``): with a 2 s interval and a 30 s timeout, a watched agent whose
+    port closes just after a tick is declared dead within a second, not at the next tick
+    2 s later (at 1,024 agents the watcher's starved ticks found a kill 3 s after it)."""
+    listeners = {f"n{i}": PresenceListener() for i in range(2)}
+    ports = {n: listener.port for n, listener in listeners.items()}
+    store = MemoryStore()
+    keeper = watching_keeper(MemoryBackend(store), ports, tmp_path, interval=2.0,
+                             timeout=30.0)
+    try:
+        with Beating(MemoryBackend(store), ports):
+            keeper.start()
+            assert wait_until(lambda: set(keeper.peer_silence()) == set(ports), timeout=5.0)
+            killed = time.monotonic()  # just after a tick (the second)
+            listeners.pop("n0").close()
+            assert wait_until(lambda: keeper.dead_among(set(ports)) == {"n0"}, timeout=6.0)
+            assert time.monotonic() - killed < 1.0, time.monotonic() - killed
+    finally:
+        keeper.stop()
+        for listener in listeners.values():
+            listener.close()

@@ -27,7 +27,8 @@ CONF_KEYS: dict[str, tuple[str, str]] = {
                                 "docs/failure-model.md); `heartbeat`, its old name, still "
                                 "works, with a warning"),
     "request_timeout": ("2.0", "seconds one etcd request may take before the next endpoint "
-                               "is tried"),
+                               "is tried; a slower etcd lengthens it (4× its slowest recent "
+                               "answer, up to `connect_timeout`)"),
     "connect_timeout": ("15", "seconds one store operation keeps retrying across endpoints; "
                               "an agent that cannot reach etcd at start fails after this with "
                               "the endpoints named (inside a rendezvous an etcd outage is "

@@ -8,17 +8,16 @@ failed. It never blocks the agent: the agent reads the keeper's last verdict.
 
 One keeper judges everyone (the watcher: ``joins.closer_of``) and publishes its
 ``liveness.Verdict``; the others read it when the watcher's heartbeat moves, and judge
-only the watcher (with ``heartbeat_mode=lease`` on etcd, a heartbeat is a lease keep-alive and
-the keys arrive by a watch: ``stores/etcd/backend.py``). On any store the keeper holds a connection
-to each watched node's presence port and reads a killed agent's end from it (``presence``).
+only the watcher (``heartbeat_mode=lease``: ``stores/etcd/backend.py``). On any store the
+keeper holds a connection to each watched node's presence port, and its sleep between
+ticks ends when one ends: a killed agent is found when it dies (``presence``, ``wakeup``).
 
-It also carries this node's preemption notice to the run's state and settles it with
-the other nodes' (``drain.py``), passes a whole-job stop on to the workers, puts its
-workers' pace in its heartbeat and, as the watcher, judges the others' (``stragglers.py``).
-While it judges everyone it also beats on a thread of its own (``beater.py``).
+It also settles this node's preemption notice with the others' (``drain.py``), passes a
+whole-job stop on to the workers, beats its workers' pace and, as the watcher, judges the
+others' (``stragglers.py``) while beating on a thread of its own (``beater.py``).
 
 Decisions apart from I/O, as in torch's ``dynamic_rendezvous.py``: the keeper reads the
-store, asks the pure deciders (``watcher.py`` judges, ``pressure.py`` weighs the round;
+store, asks the pure deciders (``watcher.py`` judges, ``pressure.py`` weighs the round,
 ``presence_book.py`` says where the others listen) and carries out their answers.
 """
 
@@ -44,6 +43,7 @@ from elastic_ext.rendezvous.agent.presence import (
 from elastic_ext.rendezvous.agent.presence_book import PresenceBook
 from elastic_ext.rendezvous.agent.run_view import RunView
 from elastic_ext.rendezvous.agent.stragglers import StragglerWatch
+from elastic_ext.rendezvous.agent.wakeup import Wakeup
 from elastic_ext.rendezvous.errors import CorruptStateError
 from elastic_ext.rendezvous.protocol.clock import SYSTEM_CLOCK, Clock
 from elastic_ext.rendezvous.protocol.hang import HangRules
@@ -80,7 +80,7 @@ class Keeper:
         self._clock = clock
         self._lock = threading.Lock()  # guards the deciders and the book below
         self._stop = threading.Event()
-        self._wake = threading.Event()  # tick now: a state change, a notice to relay, or stop
+        self._wake = Wakeup()  # tick now: a state change, a notice, a death, or stop
         self._thread: threading.Thread | None = None
         self._watcher = Watcher(node, Liveness(timeout, clock.monotonic,
                                                expiring=backend.heartbeats_expire))
@@ -236,11 +236,11 @@ class Keeper:
         self._answers.close()
         if self._thread is None or not self._thread.is_alive():
             self._held.close()
+            self._wake.close()
         self._presence.close()
 
     def _run(self) -> None:
-        """A tick every ``interval``, and one whenever woken in between, which neither
-        moves the next nor beats (``StoreBackend.keeper_read``'s ``due``)."""
+        """A tick every ``interval``, and one whenever woken in between (not beating)."""
         due_at = self._clock.monotonic()
         told_late_at = -LATE_TICK_LOG_S
         while not self._stop.is_set():
@@ -255,7 +255,7 @@ class Keeper:
                 logger.warning("etcd-ext: a keeper tick took %.1fs (its interval: %.1fs; "
                                "%d node(s) judged): this node's heartbeat is that late",
                                took, self._interval, len(self._watcher.liveness.silence()))
-            self._wake.wait(max(0.0, due_at - self._clock.monotonic()))
+            self._held.wait(max(0.0, due_at - self._clock.monotonic()), self._wake)
             self._wake.clear()
 
     def tick(self, due: bool = True) -> None:

@@ -38,6 +38,8 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
+from elastic_ext.rendezvous.agent.wakeup import Wakeup
+
 logger = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 0.2
@@ -146,6 +148,24 @@ class PresenceWatch:
             self._settle(selected.data, events)
         self._gone &= wanted
         return frozenset(node for node, key in targets.items() if key in self._gone)
+
+    def wait(self, timeout: float, wakeup: Wakeup) -> None:
+        """Until ``timeout`` seconds passed, ``wakeup`` was set, or a held connection
+        ended (its agent died: found now, not at the next tick); connects that complete
+        meanwhile are settled here."""
+        deadline = time.monotonic() + timeout
+        self._selector.register(wakeup, selectors.EVENT_READ, None)
+        try:
+            gone = len(self._gone)
+            while not wakeup.is_set() and len(self._gone) == gone:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                for selected, events in self._selector.select(left):
+                    if selected.data is not None:
+                        self._settle(selected.data, events)
+        finally:
+            self._selector.unregister(wakeup)
 
     def _connect(self, key: tuple[str, int]) -> None:
         try:
