@@ -225,6 +225,21 @@ def test_a_clone_sees_the_same_keys(backend: StoreBackend) -> None:
     clone.close()
 
 
+def test_beats_through_a_backend_and_its_clone_always_move_the_heartbeat(
+        backend: StoreBackend) -> None:
+    """The watcher beats through a clone (``beater.py``) beside its keeper's own beats:
+    every beat, through either, must read as a change to its judges, or a watcher
+    that beats on time could look still (issue 43)."""
+    set_state(backend, RunState("gen", 1, Phase.OPEN, {"n1": NodeInfo("h", 1)}).to_bytes())
+    clone = backend.clone()
+    seen = []
+    for beating in [backend, clone, clone, backend, clone, backend]:
+        beating.beat("n1", 1234)
+        seen.append(backend.read_beats(["n1"])["n1"])
+    assert all(a != b for a, b in zip(seen, seen[1:])), seen
+    clone.close()
+
+
 def test_remove_run_deletes_the_state_and_the_heartbeats(make_backend) -> None:
     mine, other = make_backend("mine"), make_backend("other")
     set_state(mine, RunState("gen", 1, Phase.OPEN, {"n1": NodeInfo("h", 1)}).to_bytes())
