@@ -451,6 +451,8 @@ class CaseResult:
     cpu_per_agent: Outcome = field(default_factory=Outcome)  # round 1, ms
     cpu_change_per_agent: Outcome = field(default_factory=Outcome)  # round 2, ms per survivor
     cpu_etcd: Outcome = field(default_factory=Outcome)
+    idle_cpu_agent: Outcome = field(default_factory=Outcome)  # ms per agent per second
+    idle_cpu_etcd: Outcome = field(default_factory=Outcome)  # ms per agent per second
     false_restarts: int = 0
     false_deaths: int | None = None  # live agents declared dead (etcd-ext; distinct nodes)
     notes: list[str] = field(default_factory=list)
@@ -811,6 +813,8 @@ class Case:
         steady_from = time.monotonic()
         before = self.meter.requests()
         bytes_before = self.meter.sent_bytes()
+        cpu_idle0 = self._cpu_agents(living)
+        etcd_idle0 = self.etcd.cpu() if self.etcd else None
         try:
             self.collect(lambda: False, steady_from + self.args.steady)
         except CaseFailure as exc:
@@ -823,12 +827,19 @@ class Case:
         late = sum(1 for a in self.agents if any(t >= steady_from for t in a.rejoins))
         result.false_restarts += late
         result.rate.value = sum(used.values()) / elapsed
+        per_agent_s = 1000 / elapsed / len(survivors)  # seconds of CPU -> ms per agent per s
+        result.idle_cpu_agent.value = (self._cpu_agents(living) - cpu_idle0) * per_agent_s
+        etcd_idle1 = self.etcd.cpu() if self.etcd else None
+        if etcd_idle0 is not None and etcd_idle1 is not None:
+            result.idle_cpu_etcd.value = (etcd_idle1 - etcd_idle0) * per_agent_s
         idle_kb = idle_bytes / 1024 / elapsed / len(survivors)  # per agent per second
         if result.change_kb.value is not None and result.round2.value is not None:
             result.change_kb_net.value = result.change_kb.value - idle_kb * result.round2.value
         self.say(f"steady {result.rate.value:.0f} requests/s over {elapsed:.1f}s "
                  f"({self._top(used)}), {idle_kb:.2f} KB/s per agent from etcd; the round "
-                 f"change less that: {result.change_kb_net.value or 0:.1f} KB per agent"
+                 f"change less that: {result.change_kb_net.value or 0:.1f} KB per agent; "
+                 f"idle CPU per agent per second: {result.idle_cpu_agent.value:.2f} ms, etcd's "
+                 f"for it {result.idle_cpu_etcd.value or 0:.2f} ms"
                  + (f"; {late} agents restarted while idle" if late else ""))
 
     def _noticed(self, survivors: list[int], t_kill: float) -> str:
@@ -877,7 +888,8 @@ def table(results: dict[tuple[int, str], list[CaseResult]], sizes: list[int],
           backends: list[str]) -> list[str]:
     columns = ["round 1 (s)", "round 2 (s)", "false deaths", "etcd requests round 1",
                "etcd requests/s idle", "round change per agent: requests, KB (KB less idle)",
-               "CPU s round 1", "CPU ms per agent: round 1, round change"]
+               "CPU s round 1", "CPU ms per agent: round 1, round change",
+               "idle CPU ms per agent per s: agent, etcd"]
     head = ["N", *(f"{SHORT[b]}: {c}" for b in backends for c in columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for n in sizes:
@@ -892,14 +904,16 @@ def table(results: dict[tuple[int, str], list[CaseResult]], sizes: list[int],
                 change = (f"{cell([c.change_requests for c in cases], 1)}, "
                           f"{cell([c.change_kb for c in cases], 1)} "
                           f"({cell([c.change_kb_net for c in cases], 1)})")
+                idle = (f"{cell([c.idle_cpu_agent for c in cases], 2)}, "
+                        f"{cell([c.idle_cpu_etcd for c in cases], 2)}")
             else:
-                requests = rate = change = "n/a"
+                requests = rate = change = idle = "n/a"
             per_agent = (f"{cell([c.cpu_per_agent for c in cases], 1)}, "
                          f"{cell([c.cpu_change_per_agent for c in cases], 1)}")
             deaths = [c.false_deaths for c in cases if c.false_deaths is not None]
             row += [cell([c.round1 for c in cases]), cell([c.round2 for c in cases]),
                     " / ".join(map(str, deaths)) if deaths else "n/a",
-                    requests, rate, change, cpu, per_agent]
+                    requests, rate, change, cpu, per_agent, idle]
         lines.append("| " + " | ".join(row) + " |")
     return lines
 

@@ -8,6 +8,7 @@ unknown tokens, and corrupt state; then heartbeats, round stores and run listing
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -236,7 +237,7 @@ def test_beats_through_a_backend_and_its_clone_always_move_the_heartbeat(
     for beating in [backend, clone, clone, backend, clone, backend]:
         beating.beat("n1", 1234)
         seen.append(backend.read_beats(["n1"])["n1"])
-    assert all(a != b for a, b in zip(seen, seen[1:])), seen
+    assert all(a != b for a, b in itertools.pairwise(seen)), seen
     clone.close()
 
 

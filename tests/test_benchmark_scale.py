@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.etcd]
 REPO = Path(__file__).resolve().parents[1]
 NUMBER = r"\d+(\.\d+)?"
 COLUMNS = ["round 1", "round 2", "false deaths", "requests", "requests/s", "change", "CPU",
-           "CPU per agent"]
+           "CPU per agent", "idle CPU"]
 
 
 def run_benchmark(*args: str, timeout: float) -> tuple[str, str]:
@@ -64,7 +64,8 @@ def test_scale_benchmark_fills_its_table_for_the_embedded_store_and_stock_c10d()
     assert by_backend["stock"]["false deaths"] == "n/a", by_backend  # stock has none to count
     for backend in ("embedded", "stock"):
         row = by_backend[backend]
-        assert row["requests"] == row["requests/s"] == row["change"] == "n/a", row
+        assert row["requests"] == row["requests/s"] == row["change"] == row["idle CPU"] \
+            == "n/a", row
         assert re.fullmatch(NUMBER, row["CPU"]), row
         per_agent = re.fullmatch(rf"({NUMBER}), ({NUMBER})", row["CPU per agent"])
         # round 1 builds every handler: always CPU; a round change of 3 survivors can cost
@@ -100,6 +101,8 @@ def test_64_agents_on_a_real_etcd_form_a_round_and_form_it_again_after_two_are_k
     assert change and float(change[1]) > 0 and float(change[3]) > 0, cells
     assert re.fullmatch(rf"agents {NUMBER} \+ etcd {NUMBER}", cells["CPU"]), cells
     assert re.fullmatch(rf"{NUMBER}, {NUMBER}", cells["CPU per agent"]), cells
+    idle = re.fullmatch(rf"({NUMBER}), ({NUMBER})", cells["idle CPU"])  # agent's, etcd's
+    assert idle and float(idle[1]) > 0 and float(idle[3]) > 0, cells
     assert "3 processes: 1 x 62 threads + 2 victims, each alone" in out
     assert "--nnodes=N-2:N" in out and "a round of N-2" in out
     assert "with no node gone" not in out, out  # no agent restarted for nothing

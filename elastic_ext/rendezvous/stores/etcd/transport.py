@@ -1,5 +1,5 @@
-"""etcd's v3 HTTP/JSON gateway on ``http.client``: a POST or a GET on a kept-alive
-connection, and a watch stream on a connection of its own.
+"""etcd's v3 HTTP/JSON gateway: a POST or a GET on a kept-alive connection, and a watch
+stream on a connection of its own.
 
 Why not ``requests`` (or ``etcd3gw`` over it): at scale every agent's keeper makes a
 request a second, and ``requests`` spends about 0.5 ms of CPU on each where
@@ -8,10 +8,11 @@ agents that is the difference between a store that keeps up and one that does no
 version probe and the watch streams went through ``requests`` too, until a profile of
 forked agents (one process each, as on real machines) found the first ``requests`` call
 of each process, a session per thread, about a fifth of an agent's CPU for its first
-round.
+round. The unary calls are spoken by hand (``http11.py``: one send a request, no e-mail
+parser for the answer's headers); the rare watch streams use ``http.client``.
 
-Each thread has its own connection per endpoint (``http.client`` connections are not
-thread-safe); a connection that failed is dropped, and the next call opens another.
+Each thread has its own connection per endpoint (a connection serves one request at a
+time); a connection that failed is dropped, and the next call opens another.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic_ext.rendezvous.settings import Endpoint, Settings
+from elastic_ext.rendezvous.stores.etcd.http11 import Connection, ProtocolError
 
 
 @dataclass
@@ -75,16 +77,13 @@ class GatewayConnections:
                                                context=self._context())
         return http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=timeout)
 
-    def _connection(self, endpoint: Endpoint, timeout: float) -> http.client.HTTPConnection:
-        pool: dict[str, http.client.HTTPConnection] = self._local.__dict__.setdefault("pool", {})
+    def _connection(self, endpoint: Endpoint) -> Connection:
+        pool: dict[str, Connection] = self._local.__dict__.setdefault("pool", {})
         key = str(endpoint)
         conn = pool.get(key)
-        if conn is not None:
-            conn.timeout = timeout  # the next connect's
-            if conn.sock is not None:
-                conn.sock.settimeout(timeout)
-        else:
-            conn = pool[key] = self._new_connection(endpoint, timeout)
+        if conn is None:
+            context = self._context() if self._settings.scheme == "https" else None
+            conn = pool[key] = Connection(endpoint.host, endpoint.port, context, key)
         return conn
 
     def _drop(self, endpoint: Endpoint) -> None:
@@ -110,16 +109,16 @@ class GatewayConnections:
 
     def _ask(self, endpoint: Endpoint, method: str, url: str, body: str | None,
              headers: dict[str, str], timeout: float | None) -> Reply:
-        conn = self._connection(endpoint, timeout if timeout is not None
-                                else self._settings.timeouts.request)
+        conn = self._connection(endpoint)
         try:
-            conn.request(method, url, body=body, headers=headers)
-            response = conn.getresponse()
-            return Reply(response.status, response.read())
+            status, answer = conn.ask(method, url, (body or "").encode(), headers,
+                                      timeout if timeout is not None
+                                      else self._settings.timeouts.request)
+            return Reply(status, answer)
         except ssl.SSLError as exc:
             self._drop(endpoint)
             raise TlsFailed(str(exc)) from exc
-        except (OSError, http.client.HTTPException) as exc:
+        except (OSError, ProtocolError) as exc:
             self._drop(endpoint)
             raise ConnectionFailed(f"{type(exc).__name__}: {exc}") from exc
 
