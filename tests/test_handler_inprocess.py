@@ -662,6 +662,19 @@ def test_rank_0_drops_an_old_rounds_keys_only_a_grace_after_the_round_completed(
     assert lab.state().round == 4 and rounds_kept() == [3, 4]
 
 
+def joins_read_at(lab: Lab, monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """When the round's joins were read (by whoever decides on the round), on the lab's
+    clock, from now on."""
+    read: list[float] = []
+    read_joins = MemoryBackend.read_joins
+
+    def reading(self: MemoryBackend, generation: str, round_: int) -> list[tuple[str, bytes]]:
+        read.append(lab.clock.now)
+        return read_joins(self, generation, round_)
+    monkeypatch.setattr(MemoryBackend, "read_joins", reading)
+    return read
+
+
 @pytest.mark.parametrize("joined_before, turn", [((), 0), (("other",), 1)])
 def test_a_dead_closer_is_replaced_by_one_joiner_at_a_time_in_turns_by_join_position(
         make_lab, monkeypatch, joined_before: tuple[str, ...], turn: int) -> None:
@@ -686,13 +699,7 @@ def test_a_dead_closer_is_replaced_by_one_joiner_at_a_time_in_turns_by_join_posi
             lab.peer.beat(node)
         lab.keeper.tick()
     lab.clock.on_sleep.append(tick)
-    read: list[float] = []
-    read_joins = MemoryBackend.read_joins
-
-    def reading(self: MemoryBackend, generation: str, round_: int) -> list[tuple[str, bytes]]:
-        read.append(lab.clock.now)
-        return read_joins(self, generation, round_)
-    monkeypatch.setattr(MemoryBackend, "read_joins", reading)
+    read = joins_read_at(lab, monkeypatch)
     info = lab.handler.next_rendezvous()
     assert "closer" not in lab.state().members and info.world_size == 1 + len(joined_before)
     judged_dead = dies_at + 3.0  # the heartbeat timeout
@@ -721,13 +728,7 @@ def test_a_node_takes_over_a_round_its_live_closer_leaves_idle_reading_the_count
         counted.append(lab.clock.now)
         return count_joins(self, generation, round_)
     monkeypatch.setattr(MemoryBackend, "count_joins", counting)
-    read: list[float] = []  # the joins are read only by whoever decides on the round
-    read_joins = MemoryBackend.read_joins
-
-    def reading(self: MemoryBackend, generation: str, round_: int) -> list[tuple[str, bytes]]:
-        read.append(lab.clock.now)
-        return read_joins(self, generation, round_)
-    monkeypatch.setattr(MemoryBackend, "read_joins", reading)
+    read = joins_read_at(lab, monkeypatch)  # only whoever decides on the round reads them
     began = lab.clock.now
     info = lab.handler.next_rendezvous()
     assert (info.rank, info.world_size) == (1, 2)
@@ -762,13 +763,7 @@ def test_a_round_that_moves_while_the_joiner_counts_its_joins_is_not_taken_over(
             moved.append(lab.clock.now)
         return count_joins(self, generation, round_)
     monkeypatch.setattr(MemoryBackend, "count_joins", counting)
-    read: list[float] = []
-    read_joins = MemoryBackend.read_joins
-
-    def reading(self: MemoryBackend, generation: str, round_: int) -> list[tuple[str, bytes]]:
-        read.append(lab.clock.now)
-        return read_joins(self, generation, round_)
-    monkeypatch.setattr(MemoryBackend, "read_joins", reading)
+    read = joins_read_at(lab, monkeypatch)
     info = lab.handler.next_rendezvous()  # taken over in the end: the closer never closes
     assert (info.rank, info.world_size) == (1, 2) and moved
     assert read[0] - moved[0] >= idle_limit, (read[0] - moved[0], idle_limit)

@@ -580,15 +580,18 @@ def test_in_an_open_round_only_the_joiner_whose_turn_came_judges_everyone() -> N
 
 
 # -- the closer's wait follows the load (``CloserJoins.wait``) ----------------------------
-@pytest.mark.parametrize("spacing, returned_after", [(0.0, 0.1), (0.5, 0.5)])
+@pytest.mark.parametrize("max_nodes, spacing, returned_after",
+                         [(10, 0.0, 0.1), (10, 0.5, 0.5), (3, 0.5, 0.1)],
+                         ids=["fast closer", "slow closer", "slow closer, round filled"])
 def test_a_slow_closer_waits_as_long_as_its_decision_took_for_the_joins_to_batch(
-        spacing: float, returned_after: float) -> None:
+        max_nodes: int, spacing: float, returned_after: float) -> None:
     """With MIN reached the closer decided again at every join (each decision merges N
     joins): one that takes 0.5 s to decide now waits 0.5 s, so the joins of that time are
-    decided on together; a closer that decides fast still wakes at the next join."""
+    decided on together; a closer that decides fast still wakes at the next join, and a
+    join that fills the round (max 3) ends even a slow closer's wait at once."""
     backend, clock = MemoryBackend(MemoryStore()), FakeClock()
     state = replace(OPEN, members={"closer": info(1), "a": info(2)})  # MIN 2 reached
-    joins = CloserJoins(backend, min_nodes=2, max_nodes=10)
+    joins = CloserJoins(backend, min_nodes=2, max_nodes=max_nodes)
     joins.merged(state)
     began = clock.now
 
@@ -598,18 +601,3 @@ def test_a_slow_closer_waits_as_long_as_its_decision_took_for_the_joins_to_batch
     clock.on_sleep.append(a_join_after_a_tenth)
     joins.wait(state, 0.05, 1.0, clock, spacing=spacing)
     assert clock.now - began == pytest.approx(returned_after, abs=0.06)
-
-
-def test_a_slow_closer_still_closes_at_once_when_the_joins_fill_the_round() -> None:
-    backend, clock = MemoryBackend(MemoryStore()), FakeClock()
-    state = replace(OPEN, members={"closer": info(1), "a": info(2)})
-    joins = CloserJoins(backend, min_nodes=2, max_nodes=3)  # one join fills it
-    joins.merged(state)
-    began = clock.now
-
-    def a_join_after_a_tenth() -> None:
-        if clock.now - began >= 0.1 and not backend.count_joins("g", 2):
-            backend.join("g", 2, "b", entry(3))
-    clock.on_sleep.append(a_join_after_a_tenth)
-    joins.wait(state, 0.05, 1.0, clock, spacing=0.5)
-    assert clock.now - began == pytest.approx(0.1, abs=0.06)
