@@ -436,11 +436,14 @@ def state_of(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
+@pytest.mark.slow
+@pytest.mark.quiet  # the cycle's thread must run every 20 ms: alone, not beside 2 workers
 def test_the_duty_cycle_runs_its_processes_a_fraction_of_the_time_then_lets_them_go(
         processes: ProcessSet) -> None:
     """A busy process throttled to a quarter gets at most about that much CPU (less on a
     busy machine), is stopped most of the time, and runs freely once the cycle stops; a pid
-    the lookup stops naming is continued at the end too."""
+    the lookup stops naming is continued at the end too. Quiet: beside two other xdist
+    workers on 2 cores the cycle's thread went unscheduled for 0.1-0.3 s (two CI runs)."""
     first = processes.spawn("busy-1", [sys.executable, "-c", BUSY])
     second = processes.spawn("busy-2", [sys.executable, "-c", BUSY])
     named = [first.pid]
