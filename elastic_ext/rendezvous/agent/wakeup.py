@@ -34,10 +34,6 @@ class Wakeup:
     def is_set(self) -> bool:
         return self._set.is_set()
 
-    def wait(self, timeout: float) -> bool:
-        """As ``threading.Event.wait``, for a waiter with no sockets to watch."""
-        return self._set.wait(timeout)
-
     def clear(self) -> None:
         """Not set any more; check ``is_set`` before each select (a ``set`` may land
         between the two halves of this)."""

@@ -88,11 +88,10 @@ class EtcdClient:
         deadline: float | None = getattr(self._local, "deadline", None)
         return None if deadline is None else deadline - time.monotonic()
 
-    def latency(self, index: int | None = None) -> StoreLatency:
-        """How fast the endpoint ``index`` (default: the one that answered last) answers
-        this agent: each endpoint its own, so that a silent one does not slow the others'
-        failover (``etcd/latency.py``)."""
-        return self._latency[self._current if index is None else index]
+    def latency(self) -> StoreLatency:
+        """How fast the endpoint that answered last answers this agent: each endpoint its
+        own, so that a silent one does not slow the others' failover (``etcd/latency.py``)."""
+        return self._latency[self._current]
 
     # -- plumbing ----------------------------------------------------------------------
     def _post_once(self, index: int, path: str, payload: dict[str, Any],
